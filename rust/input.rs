@@ -1,0 +1,64 @@
+//! Key arrays as they arrive from callers: f32, f16, or bf16 (the latter two widened to f32,
+//! since all index arithmetic is f32).
+
+use std::borrow::Cow;
+
+use half::{bf16, f16};
+
+use crate::error::{ensure, Result};
+
+/// A borrowed row-major `[n, dim]` block of keys.
+#[derive(Clone, Copy, Debug)]
+pub enum KeyData<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+impl<'a> KeyData<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            KeyData::F32(s) => s.len(),
+            KeyData::F16(s) => s.len(),
+            KeyData::Bf16(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The keys as f32: borrowed when they already are, widened otherwise.
+    pub fn to_f32(&self) -> Cow<'a, [f32]> {
+        match *self {
+            KeyData::F32(s) => Cow::Borrowed(s),
+            KeyData::F16(s) => Cow::Owned(s.iter().map(|x| x.to_f32()).collect()),
+            KeyData::Bf16(s) => Cow::Owned(s.iter().map(|x| x.to_f32()).collect()),
+        }
+    }
+}
+
+/// Largest squared norm accepted: keeps every dot product and squared distance finite in f32.
+const MAX_SQ_NORM: f32 = f32::MAX / 4.0;
+
+/// Checks that `data` is a whole number of rows of `dim` finite values whose norms f32
+/// arithmetic can handle; returns the row count.
+pub fn check_rows(data: &[f32], dim: usize, what: &str) -> Result<usize> {
+    ensure!(
+        data.len() % dim == 0,
+        "{what}: {} values are not a whole number of rows of dim {dim}",
+        data.len()
+    );
+    if let Some(i) = data.iter().position(|x| !x.is_finite()) {
+        return Err(crate::Error::Invalid(format!(
+            "{what}: row {} holds a NaN or infinite value",
+            i / dim
+        )));
+    }
+    if let Some(i) = data.chunks_exact(dim).position(|r| !(crate::simd::dot(r, r) <= MAX_SQ_NORM)) {
+        return Err(crate::Error::Invalid(format!(
+            "{what}: row {i} has a norm too large for float32 arithmetic"
+        )));
+    }
+    Ok(data.len() / dim)
+}

