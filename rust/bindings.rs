@@ -8,14 +8,16 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::index::{Config, DciIndex, Metric};
-use crate::{Error, KeyData};
+use crate::pages::HeadForest;
+use crate::select::SelectParams;
+use crate::{Error, KeyData, ResidentPages};
 
 create_exception!(
     _core,
@@ -60,24 +62,49 @@ enum Keys<'py> {
     Owned(Vec<f32>, Option<Vec<f16>>, Option<Vec<bf16>>),
 }
 
+/// `obj` as a NumPy array: arrays pass through; torch tensors and sequences are converted by
+/// `icecache._arrays.as_numpy` (zero-copy for CPU tensors).
+fn numpy_of<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, numpy::PyUntypedArray>> {
+    if let Ok(a) = obj.downcast::<numpy::PyUntypedArray>() {
+        return Ok(a.clone());
+    }
+    let conv = obj.py().import("icecache._arrays")?.call_method1("as_numpy", (obj,))?;
+    conv.downcast_into::<numpy::PyUntypedArray>().map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 impl<'py> Keys<'py> {
-    fn extract(obj: &Bound<'py, PyAny>, what: &str, dim: usize) -> PyResult<(Keys<'py>, usize)> {
-        let arr = obj.downcast::<numpy::PyUntypedArray>().map_err(|_| {
-            PyValueError::new_err(format!("{what} must be a NumPy array, got {}", obj.get_type()))
-        })?;
-        if arr.ndim() != 2 {
+    /// Reads a `[..., dim]` key array of `ndim` dimensions; returns it and its shape.
+    fn extract_nd(obj: &Bound<'py, PyAny>, what: &str, dim: usize, ndim: usize) -> PyResult<(Keys<'py>, Vec<usize>)> {
+        let arr = numpy_of(obj)?;
+        if arr.ndim() != ndim {
             return Err(PyValueError::new_err(format!(
-                "{what} must be 2-D [n, {dim}], got {} dimension(s)",
+                "{what} must have {ndim} dimensions (last = {dim}), got {}",
                 arr.ndim()
             )));
         }
         let shape = arr.shape().to_vec();
-        if shape[1] != dim {
+        if dim != 0 && shape[ndim - 1] != dim {
             return Err(PyValueError::new_err(format!(
-                "{what} has {} columns, the index has dim {dim}",
-                shape[1]
+                "{what} has last dimension {}, expected {dim}",
+                shape[ndim - 1]
             )));
         }
+        let (keys, _) = if ndim == 2 {
+            Keys::from_2d(arr.as_any(), what)?
+        } else {
+            Keys::from_2d(&arr.call_method1("reshape", (-1i64, *shape.last().unwrap()))?, what)?
+        };
+        Ok((keys, shape))
+    }
+
+    fn extract(obj: &Bound<'py, PyAny>, what: &str, dim: usize) -> PyResult<(Keys<'py>, usize)> {
+        let (keys, shape) = Keys::extract_nd(obj, what, dim, 2)?;
+        Ok((keys, shape[0]))
+    }
+
+    fn from_2d(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(Keys<'py>, usize)> {
+        let arr = obj.downcast::<numpy::PyUntypedArray>()?;
+        let rows = arr.shape()[0];
         let contiguous = arr.is_c_contiguous();
         let keys = if let Ok(a) = obj.downcast::<PyArray2<f32>>() {
             if contiguous { Keys::F32(a.readonly()) } else { Keys::Owned(a.readonly().as_array().iter().copied().collect(), None, None) }
@@ -97,7 +124,7 @@ impl<'py> Keys<'py> {
                 arr.dtype()
             )));
         };
-        Ok((keys, shape[0]))
+        Ok((keys, rows))
     }
 
     fn data(&self) -> KeyData<'_> {
@@ -175,22 +202,7 @@ impl PyDciIndex {
         effort: f32,
     ) -> PyResult<Self> {
         let mut cfg = Config::new(dim, Metric::parse(metric).map_err(to_py)?);
-        if let Some(m) = num_simple {
-            cfg.num_simple = m;
-        }
-        if let Some(l) = num_composite {
-            cfg.num_composite = l;
-        }
-        if let Some(p) = promotion {
-            cfg.promotion = match p.extract::<f64>() {
-                Ok(x) => vec![x],
-                Err(_) => p.extract::<Vec<f64>>().map_err(|_| {
-                    PyValueError::new_err("promotion must be a float or a sequence of floats")
-                })?,
-            };
-        }
-        cfg.seed = seed;
-        cfg.effort = effort;
+        apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
         let inner = DciIndex::new(cfg).map_err(to_py)?;
         Ok(PyDciIndex { inner, pool: make_pool(threads)? })
     }
@@ -297,10 +309,358 @@ impl PyDciIndex {
     }
 }
 
+// ------------------------------------------------------------------ K/V stores
+
+/// Runs `$body` with `$T` bound to the element type of `$arr` (f32, f16, or u16 = bf16 bits).
+macro_rules! with_elem {
+    ($arr:expr, $what:expr, |$T:ident| $body:expr) => {{
+        let a = numpy_of($arr)?;
+        let dt = a.dtype();
+        if dt.is_equiv_to(&numpy::dtype::<f32>(a.py())) {
+            type $T = f32;
+            $body
+        } else if dt.is_equiv_to(&numpy::dtype::<f16>(a.py())) {
+            type $T = f16;
+            $body
+        } else if dt.is_equiv_to(&numpy::dtype::<u16>(a.py())) {
+            type $T = u16;
+            $body
+        } else {
+            Err(PyValueError::new_err(format!(
+                "{} must be float32, float16, or bfloat16 as a uint16 view, got {dt}",
+                $what
+            )))
+        }
+    }};
+}
+
+/// An array of element `T` and its shape, read-only; copied to C order if it is not already.
+fn ro<'py, T: numpy::Element>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(numpy::PyReadonlyArrayDyn<'py, T>, Vec<usize>)> {
+    let mut a = numpy_of(obj)?;
+    if !a.is_c_contiguous() {
+        let np = a.py().import("numpy")?;
+        a = np.call_method1("ascontiguousarray", (a,))?.downcast_into()?;
+    }
+    let arr = a.downcast::<numpy::PyArrayDyn<T>>().map_err(|_| {
+        PyValueError::new_err(format!("{what} has dtype {}; all K/V arrays of a call must share one dtype", a.dtype()))
+    })?;
+    let shape = arr.shape().to_vec();
+    Ok((arr.readonly(), shape))
+}
+
+/// A C-contiguous, writable array of element `T` and its shape.
+fn rw<'py, T: numpy::Element>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(numpy::PyReadwriteArrayDyn<'py, T>, Vec<usize>)> {
+    let a = numpy_of(obj)?;
+    let arr = a.downcast::<numpy::PyArrayDyn<T>>().map_err(|_| {
+        PyValueError::new_err(format!("{what} has dtype {}; all K/V arrays of a call must share one dtype", a.dtype()))
+    })?;
+    if !arr.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!("{what} must be C-contiguous")));
+    }
+    let shape = arr.shape().to_vec();
+    let w = arr.try_readwrite().map_err(|e| PyValueError::new_err(format!("{what} is not writable: {e}")))?;
+    Ok((w, shape))
+}
+
+fn check_shape(what: &str, shape: &[usize], want: &[Option<usize>]) -> PyResult<()> {
+    let ok = shape.len() == want.len() && shape.iter().zip(want).all(|(s, w)| w.map_or(true, |w| *s == w));
+    if ok {
+        return Ok(());
+    }
+    let w: Vec<String> = want.iter().map(|w| w.map_or("*".to_string(), |x| x.to_string())).collect();
+    Err(PyValueError::new_err(format!("{what} has shape {shape:?}, expected [{}]", w.join(", "))))
+}
+
+fn int_array<'py, T: numpy::Element + Copy>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(Vec<T>, Vec<usize>)> {
+    let np = obj.py().import("numpy")?;
+    let arr = np.call_method1("asarray", (obj,))?;
+    let kind: String = arr.getattr("dtype")?.getattr("kind")?.extract()?;
+    if kind != "i" && kind != "u" {
+        return Err(PyValueError::new_err(format!("{what} must hold integers")));
+    }
+    let arr = arr.call_method1("astype", (numpy::dtype::<T>(obj.py()),))?;
+    let arr = arr.downcast::<numpy::PyArrayDyn<T>>()?.readonly();
+    Ok((arr.as_array().iter().copied().collect(), arr.shape().to_vec()))
+}
+
+/// One M-DCI tree per KV head of one layer, laid out as semantic pages.
+/// See ``icecache/_core.pyi`` for the full documentation.
+#[pyclass(name = "HeadForest", module = "icecache._core")]
+pub struct PyHeadForest {
+    inner: HeadForest,
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+#[pymethods]
+impl PyHeadForest {
+    #[new]
+    #[pyo3(signature = (keys, *, page_size = 16, seed = None, threads = None, num_simple = None, num_composite = None, promotion = None, effort = 1.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        page_size: usize,
+        seed: Option<u64>,
+        threads: Option<usize>,
+        num_simple: Option<usize>,
+        num_composite: Option<usize>,
+        promotion: Option<&Bound<'_, PyAny>>,
+        effort: f32,
+    ) -> PyResult<Self> {
+        let (keys, shape) = Keys::extract_nd(keys, "keys", 0, 3)?;
+        let mut cfg = Config::new(shape[2], Metric::InnerProduct);
+        apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
+        let pool = make_pool(threads)?;
+        let data = keys.data();
+        let page_size_ok = page_size;
+        let inner = run(py, &pool, || HeadForest::build(data, shape[0], cfg, page_size_ok))?;
+        Ok(PyHeadForest { inner, pool })
+    }
+
+    /// KV heads.
+    #[getter]
+    fn num_heads(&self) -> usize {
+        self.inner.num_heads()
+    }
+
+    /// Key dimension.
+    #[getter]
+    fn dim(&self) -> usize {
+        self.inner.dim()
+    }
+
+    /// Tokens per page.
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.inner.page_size()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "HeadForest(num_heads={}, tokens={}, dim={}, page_size={}, max_pages={})",
+            self.inner.num_heads(),
+            self.inner.len(),
+            self.inner.dim(),
+            self.inner.page_size(),
+            self.inner.max_pages()
+        )
+    }
+
+    /// Pages of ``head``.
+    fn num_pages(&self, head: usize) -> PyResult<usize> {
+        self.inner.num_pages(head).map_err(to_py)
+    }
+
+    /// Largest page count over the heads.
+    fn max_pages(&self) -> usize {
+        self.inner.max_pages()
+    }
+
+    /// Token positions in ``page`` of ``head``, in slot order.
+    fn page_tokens<'py>(&self, py: Python<'py>, head: usize, page: usize) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let t = self.inner.page_tokens(head, page).map_err(to_py)?;
+        Ok(t.iter().map(|&x| x as i64).collect::<Vec<_>>().into_pyarray(py))
+    }
+
+    /// ``(page, slot)`` of every token position of ``head``.
+    fn token_map<'py>(&self, py: Python<'py>, head: usize) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+        let m = self.inner.token_map(head).map_err(to_py)?;
+        let pages: Vec<i32> = m.iter().map(|x| x.0 as i32).collect();
+        let slots: Vec<i32> = m.iter().map(|x| x.1 as i32).collect();
+        Ok((pages.into_pyarray(py), slots.into_pyarray(py)))
+    }
+
+    /// Writes K and V of every token into the page stores.
+    fn write_pages(
+        &self,
+        py: Python<'_>,
+        k_src: &Bound<'_, PyAny>,
+        v_src: &Bound<'_, PyAny>,
+        k_store: &Bound<'_, PyAny>,
+        v_store: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (h, n, d, s) = (self.inner.num_heads(), self.inner.len(), self.inner.dim(), self.inner.page_size());
+        with_elem!(k_store, "k_store", |T| {
+            let (ks, kshape) = rw::<T>(k_store, "k_store")?;
+            let (vs, vshape) = rw::<T>(v_store, "v_store")?;
+            let (kr, krs) = ro::<T>(k_src, "k_src")?;
+            let (vr, vrs) = ro::<T>(v_src, "v_src")?;
+            check_shape("k_src", &krs, &[Some(h), Some(n), Some(d)])?;
+            check_shape("v_src", &vrs, &[Some(h), Some(n), Some(d)])?;
+            check_shape("k_store", &kshape, &[Some(h), None, Some(s), Some(d)])?;
+            check_shape("v_store", &vshape, &[Some(h), None, Some(s), Some(d)])?;
+            let (mut ks, mut vs) = (ks, vs);
+            let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
+            let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
+            let inner = &self.inner;
+            run(py, &self.pool, || inner.write_pages(krl, vrl, ksl, vsl))
+        })
+    }
+
+    /// Pages for one decode step: ``(pages [H_kv, max_pages] int32, counts [H_kv] int32)``.
+    #[pyo3(signature = (queries, max_pages, *, scale = None, effort = None, exact = false))]
+    fn select<'py>(
+        &self,
+        py: Python<'py>,
+        queries: &Bound<'py, PyAny>,
+        max_pages: i64,
+        scale: Option<f32>,
+        effort: Option<f32>,
+        exact: bool,
+    ) -> PyResult<(Bound<'py, PyArray2<i32>>, Bound<'py, PyArray1<i32>>)> {
+        let (q, _) = Keys::extract(queries, "queries", self.inner.dim())?;
+        if max_pages < 1 {
+            return Err(PyValueError::new_err(format!("max_pages must be at least 1, got {max_pages}")));
+        }
+        let params = SelectParams {
+            max_pages: max_pages as usize,
+            scale: scale.unwrap_or(1.0 / (self.inner.dim() as f32).sqrt()),
+            effort: effort.unwrap_or(self.inner.heads_effort()),
+            exact,
+        };
+        let data = q.data();
+        let inner = &self.inner;
+        let (pages, counts) = run(py, &self.pool, || inner.select(&data.to_f32(), params))?;
+        let h = self.inner.num_heads();
+        let pages = Array2::from_shape_vec((h, params.max_pages), pages).expect("shape");
+        Ok((pages.into_pyarray(py), counts.into_pyarray(py)))
+    }
+
+    /// Appends tokens (``[H_kv, m, d]``), writes them into the stores; returns changed pages per head.
+    fn insert<'py>(
+        &mut self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        values: &Bound<'py, PyAny>,
+        k_store: &Bound<'py, PyAny>,
+        v_store: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Bound<'py, PyArray1<i32>>>> {
+        let (h, d, s) = (self.inner.num_heads(), self.inner.dim(), self.inner.page_size());
+        let changed = with_elem!(k_store, "k_store", |T| {
+            let (ks, kshape) = rw::<T>(k_store, "k_store")?;
+            let (vs, vshape) = rw::<T>(v_store, "v_store")?;
+            let (kr, krs) = ro::<T>(keys, "keys")?;
+            let (vr, vrs) = ro::<T>(values, "values")?;
+            check_shape("keys", &krs, &[Some(h), None, Some(d)])?;
+            check_shape("values", &vrs, &[Some(h), Some(krs[1]), Some(d)])?;
+            check_shape("k_store", &kshape, &[Some(h), None, Some(s), Some(d)])?;
+            check_shape("v_store", &vshape, &[Some(h), None, Some(s), Some(d)])?;
+            let (mut ks, mut vs) = (ks, vs);
+            let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
+            let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
+            let inner = &mut self.inner;
+            run(py, &self.pool, || inner.insert(krl, vrl, ksl, vsl))
+        })?;
+        Ok(changed
+            .into_iter()
+            .map(|c| c.into_iter().map(|p| p as i32).collect::<Vec<_>>().into_pyarray(py))
+            .collect())
+    }
+}
+
+fn apply_config(
+    cfg: &mut Config,
+    num_simple: Option<usize>,
+    num_composite: Option<usize>,
+    promotion: Option<&Bound<'_, PyAny>>,
+    seed: Option<u64>,
+    effort: f32,
+) -> PyResult<()> {
+    if let Some(m) = num_simple {
+        cfg.num_simple = m;
+    }
+    if let Some(l) = num_composite {
+        cfg.num_composite = l;
+    }
+    if let Some(p) = promotion {
+        cfg.promotion = match p.extract::<f64>() {
+            Ok(x) => vec![x],
+            Err(_) => p
+                .extract::<Vec<f64>>()
+                .map_err(|_| PyValueError::new_err("promotion must be a float or a sequence of floats"))?,
+        };
+    }
+    cfg.seed = seed;
+    cfg.effort = effort;
+    cfg.validate().map_err(to_py)
+}
+
+/// Which pages of each KV head are on the device, and in which slot.
+#[pyclass(name = "ResidentPages", module = "icecache._core")]
+pub struct PyResidentPages {
+    inner: ResidentPages,
+}
+
+#[pymethods]
+impl PyResidentPages {
+    #[new]
+    fn new(num_heads: usize, capacity: usize) -> PyResult<Self> {
+        Ok(PyResidentPages { inner: ResidentPages::new(num_heads, capacity).map_err(to_py)? })
+    }
+
+    /// Marks pages of ``head`` stale (reloaded when next selected).
+    fn invalidate(&mut self, head: usize, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (p, _) = int_array::<i64>(pages, "pages")?;
+        self.inner.invalidate(head, &p).map_err(to_py)
+    }
+
+    /// ``(load_heads, load_pages, load_slots, table)`` for one step's selection.
+    #[allow(clippy::type_complexity)]
+    fn plan<'py>(
+        &mut self,
+        py: Python<'py>,
+        pages: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray2<i32>>)> {
+        let (p, pshape) = int_array::<i32>(pages, "pages")?;
+        let (c, _) = int_array::<i32>(counts, "counts")?;
+        check_shape("pages", &pshape, &[Some(self.inner.num_heads()), None])?;
+        let plan = self.inner.plan(&p, &c).map_err(to_py)?;
+        let table = Array2::from_shape_vec((pshape[0], pshape[1]), plan.table).expect("shape");
+        Ok((plan.heads.into_pyarray(py), plan.pages.into_pyarray(py), plan.slots.into_pyarray(py), table.into_pyarray(py)))
+    }
+}
+
+/// Copies pages ``(heads[i], pages[i])`` of the stores into staging rows ``i``.
+#[pyfunction]
+fn gather_pages(
+    py: Python<'_>,
+    k_store: &Bound<'_, PyAny>,
+    v_store: &Bound<'_, PyAny>,
+    heads: &Bound<'_, PyAny>,
+    pages: &Bound<'_, PyAny>,
+    k_stage: &Bound<'_, PyAny>,
+    v_stage: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let (hs, _) = int_array::<i32>(heads, "heads")?;
+    let (ps, _) = int_array::<i32>(pages, "pages")?;
+    with_elem!(k_store, "k_store", |T| {
+        let (ks, kshape) = ro::<T>(k_store, "k_store")?;
+        let (vs, vshape) = ro::<T>(v_store, "v_store")?;
+        check_shape("k_store", &kshape, &[None, None, None, None])?;
+        check_shape("v_store", &vshape, &[Some(kshape[0]), Some(kshape[1]), Some(kshape[2]), Some(kshape[3])])?;
+        let (kt, tshape) = rw::<T>(k_stage, "k_stage")?;
+        let (vt, _) = rw::<T>(v_stage, "v_stage")?;
+        check_shape("k_stage", &tshape, &[None, Some(kshape[2]), Some(kshape[3])])?;
+        let (mut kt, mut vt) = (kt, vt);
+        let (ktl, vtl) = (kt.as_slice_mut()?, vt.as_slice_mut()?);
+        let (ksl, vsl) = (ks.as_slice()?, vs.as_slice()?);
+        let block = kshape[2] * kshape[3];
+        run(py, &None, || crate::load::gather_pages(ksl, vsl, kshape[0], block, &hs, &ps, ktl, vtl))
+    })
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("IndexFileError", m.py().get_type::<IndexFileError>())?;
     m.add_class::<PyDciIndex>()?;
+    m.add_class::<PyHeadForest>()?;
+    m.add_class::<PyResidentPages>()?;
+    m.add_function(wrap_pyfunction!(gather_pages, m)?)?;
     Ok(())
 }

@@ -99,6 +99,25 @@ pub fn dot_rows_i8(q: &[i8], rows: &[i8], out: &mut [i32]) {
     }
 }
 
+/// Softmax numerators in place: `x[i] ← exp(x[i] - max x)`; returns their sum. A polynomial
+/// `exp` (relative error < 1e-6 over the range that matters) keeps the loop vectorised.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn softmax_numerators(x: &mut [f32]) -> f32 {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        let t = ((*v - max) * std::f32::consts::LOG2_E).max(-126.0);
+        let i = t.floor();
+        let f = t - i;
+        let p = 1.0
+            + f * (0.693_147_2
+                + f * (0.240_226_5 + f * (0.055_504_11 + f * (0.009_618_129 + f * 0.001_333_355_8))));
+        *v = p * f32::from_bits(((i as i32 + 127) as u32) << 23);
+        sum += *v;
+    }
+    sum
+}
+
 /// Symmetric int8 quantisation of one vector: returns the scale `s` with `v ≈ s · code`.
 pub fn quantize_i8(v: &[f32], code: &mut [i8]) -> f32 {
     quantize_i8_centred(v, None, code)
@@ -122,6 +141,20 @@ pub fn quantize_i8_centred(v: &[f32], centre: Option<&[f32]>, code: &mut [i8]) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn softmax_numerators_match_exp() {
+        let mut x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.731).sin() * 40.0).collect();
+        let want: Vec<f32> = {
+            let m = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            x.iter().map(|v| (v - m).exp()).collect()
+        };
+        let sum = softmax_numerators(&mut x);
+        for (g, w) in x.iter().zip(&want) {
+            assert!((g - w).abs() <= 2e-6 * w.max(1e-30) + 1e-37, "{g} vs {w}");
+        }
+        assert!((sum - want.iter().sum::<f32>()).abs() < 1e-4 * sum);
+    }
 
     #[test]
     fn kernels_match_naive() {

@@ -1,9 +1,29 @@
 """IceCache: KV-cache retrieval for long-context LLMs.
 
-``DCIIndex`` is the multi-level Dynamic Continuous Indexing (M-DCI) index from the Rust core,
-usable on its own as an approximate nearest-neighbour index (inner product or L2).
+The pipeline, stage by stage:
+
+- ``DCIIndex``: the multi-level Dynamic Continuous Indexing (M-DCI) index from the Rust core,
+  usable on its own as an approximate nearest-neighbour index (inner product or L2);
+- ``HeadForest``: one M-DCI tree per KV head of a layer, its leaf cells laid out as semantic
+  pages of the CPU KV store, with page selection (GQA union) and decode-time inserts;
+- ``ResidentPages`` and ``gather_pages``: which pages are on the device, and the gather of the
+  missing ones into one staging buffer for a single bulk host-to-device copy.
 """
 
-from icecache._core import DCIIndex, IndexFileError, __version__
+from icecache._core import (
+    DCIIndex,
+    HeadForest,
+    IndexFileError,
+    ResidentPages,
+    __version__,
+    gather_pages,
+)
 
-__all__ = ["DCIIndex", "IndexFileError", "__version__"]
+__all__ = [
+    "DCIIndex",
+    "HeadForest",
+    "IndexFileError",
+    "ResidentPages",
+    "gather_pages",
+    "__version__",
+]

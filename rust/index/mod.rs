@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ensure, Error, Result};
 use crate::input::{check_rows, KeyData};
+pub use search::Scratch;
 use tree::{Tier, NONE};
 
 /// Largest supported key dimension.
@@ -390,6 +391,30 @@ impl DciIndex {
             r.iter_mut().zip(&self.shift).for_each(|(x, s)| *x -= s);
         }
         std::borrow::Cow::Owned(owned)
+    }
+
+    // ---- views for the page layer ----
+
+    /// Live leaf (tier-0) cells: `(cell id, member slots)`.
+    pub(crate) fn leaf_cells(&self) -> impl Iterator<Item = (u32, &[u32])> + '_ {
+        self.tiers.first().into_iter().flat_map(|t| {
+            t.cells.iter().enumerate().filter(|(_, c)| c.live).map(|(i, c)| (i as u32, &c.members[..]))
+        })
+    }
+
+    /// The id stored in `slot`.
+    pub(crate) fn slot_id(&self, slot: u32) -> i64 {
+        self.ids[slot as usize]
+    }
+
+    /// The key stored under `id` (which must exist), as the index holds it.
+    pub(crate) fn key_of_id(&self, id: i64) -> &[f32] {
+        self.key(self.id_map[&id])
+    }
+
+    /// The leaf cell that holds the point with this id (which must exist).
+    pub(crate) fn leaf_cell_of(&self, id: i64) -> u32 {
+        self.tiers[0].member_cell[self.id_map[&id] as usize]
     }
 
     // ---- per-slot helpers shared by tree, search and pdci ----

@@ -17,7 +17,7 @@ const PDCI_SHARE: f32 = 0.25;
 
 /// Per-query buffers, reused across the queries one worker runs.
 #[derive(Default)]
-pub(super) struct Scratch {
+pub struct Scratch {
     descent: Descent,
     covers: Vec<usize>,
     qcode: Vec<i8>,
@@ -131,14 +131,57 @@ impl DciIndex {
 
     /// Fills `s.cand` with re-ranked candidates (exact rank scores) for one query.
     fn approx_candidates(&self, q: &[f32], k: usize, effort: f32, s: &mut Scratch) {
+        let pool = (self.cfg.rerank as f32 * k as f32 * effort.max(1.0)).ceil() as usize;
+        self.first_pass(q, k, pool, effort, s);
+        // Re-rank the best of the first pass exactly.
+        keep_best(&mut s.cand, pool);
+        for e in s.cand.iter_mut() {
+            let slot = unpack(*e).1;
+            *e = pack(self.exact_rank(q, slot), slot);
+        }
+    }
+
+    /// Inner products of `q` with the keys a search looks at: every key the first pass scans
+    /// (int8 estimates; at least `pool` keys) or, with `exact`, every key exactly. Appends
+    /// `(q · k, id)` to `out`. Inner-product indexes only (what attention needs).
+    pub(crate) fn scan_scores(
+        &self,
+        q: &[f32],
+        pool: usize,
+        effort: f32,
+        exact: bool,
+        s: &mut Scratch,
+        out: &mut Vec<(f32, i64)>,
+    ) {
+        debug_assert_eq!(self.cfg.metric, Metric::InnerProduct);
+        if exact {
+            self.exact_candidates(q, s);
+            out.extend(s.cand.iter().map(|&p| {
+                let (v, slot) = unpack(p);
+                (v, self.ids[slot as usize])
+            }));
+            return;
+        }
+        self.first_pass(q, pool, pool, effort, s);
+        // Codes are relative to `code_center`: add back its (constant) share of the score.
+        let shift = simd::dot(q, &self.code_center);
+        out.extend(s.cand.iter().map(|&p| {
+            let (v, slot) = unpack(p);
+            (v + shift, self.ids[slot as usize])
+        }));
+    }
+
+    /// Beam descent to the best leaf cells and an int8 pass over their members: fills
+    /// `s.cand` with packed `(approximate rank, slot)`. The field of view covers at least `pool`
+    /// keys; `k` bounds P-DCI budgets from below.
+    fn first_pass(&self, q: &[f32], k: usize, pool: usize, effort: f32, s: &mut Scratch) {
         let d = self.cfg.dim;
         let top = self.tiers.len() - 1;
         let leaves = &self.tiers[0];
         let n0 = leaves.live_cells();
         let avg0 = leaves.num_members as f32 / n0 as f32;
-        let rerank = (self.cfg.rerank as f32 * k as f32 * effort.max(1.0)).ceil() as usize;
-        // Field of view at the leaves: enough cells for the re-rank pool, and more with effort.
-        let min_cells = (rerank as f32 / avg0).ceil() as usize + 1;
+        // Field of view at the leaves: enough cells for the pool, and more with effort.
+        let min_cells = (pool as f32 / avg0).ceil() as usize + 1;
         let fov = ((FOV_SCALE * (n0 as f32).sqrt() * effort).ceil() as usize).max(min_cells).min(n0);
 
         s.covers.clear();
@@ -187,13 +230,6 @@ impl DciIndex {
             }
         }
         s.qproj.clear();
-
-        // Re-rank the best of the first pass exactly.
-        keep_best(&mut s.cand, rerank);
-        for e in s.cand.iter_mut() {
-            let slot = unpack(*e).1;
-            *e = pack(self.exact_rank(q, slot), slot);
-        }
     }
 
     /// Projections of the transformed query onto the P-DCI directions.

@@ -1,0 +1,120 @@
+"""``IceCache``: a transformers 5.x ``Cache`` that retrieves KV pages per decode step."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+
+from icecache import _core
+from icecache.runtime.config import IceCacheConfig
+from icecache.runtime.integration import enable
+from icecache.runtime.layer import IceLayer, Runtime, RuntimeStats
+
+__all__ = ["IceCache", "SUPPORTED_MODEL_TYPES"]
+
+#: ``config.model_type`` of the (text) models whose attention IceCache is known to serve:
+#: GQA/MQA attention that calls ``cache.update`` then the registered attention function.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+def _check_model(text_config: Any) -> Tuple[List[str], List[dict]]:
+    """Layer types and layer kwargs of a supported model; ``ValueError`` for anything else."""
+    model_type = getattr(text_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"IceCache does not support model type {model_type!r}; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(text_config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("IceCache does not support attention logit soft-capping (attn_logit_softcapping)")
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    unknown = sorted({t for t in layer_types if t != "full_attention" and t not in _SLIDING_TYPES})
+    if unknown:
+        raise ValueError(f"IceCache does not support attention layers of type {', '.join(unknown)}")
+    return layer_types, layer_kwargs
+
+
+class IceCache(Cache):
+    """KV cache that keeps sink and recent tokens on the device and retrieves the rest.
+
+    Per full-attention layer past the first ``config.full_layers``, each sequence's middle
+    tokens live in CPU memory as semantic pages indexed by an M-DCI forest (one tree per KV
+    head), and every decode step attends to the sink tokens, the recent window and the pages
+    the index selects for the step's queries (GQA union), within ``config.budget`` tokens.
+    The leading full layers keep a full cache; sliding-window layers keep their own window.
+
+    Use it like any cache::
+
+        cache = icecache.IceCache(icecache.IceCacheConfig(budget=256), model)
+        out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+
+    Constructing it switches ``model`` to the ``"icecache"`` attention implementation
+    (:func:`icecache.runtime.enable`), which is plain SDPA for any other cache. One cache
+    serves one ``generate`` (or one prompt forward followed by one-token forwards); call
+    :meth:`reset` to reuse it. Beam search, cropping and chunked prefill are not supported.
+
+    Args:
+        config: an :class:`IceCacheConfig` (``None``: the defaults).
+        model: the transformers model it will serve (Llama, Mistral, Qwen2/3, Gemma 3 text).
+        track_recall: also measure per step the share of full attention mass that the
+            selection keeps (costs a full attention over the CPU pages; for evaluation).
+
+    Raises:
+        ValueError: unsupported model or attention type.
+        ImportError: the installed core has no page layer.
+    """
+
+    def __init__(self, config: Optional[IceCacheConfig], model: Any, *, track_recall: bool = False):
+        config = IceCacheConfig() if config is None else config
+        if not isinstance(config, IceCacheConfig):
+            raise TypeError(f"config must be an IceCacheConfig, got {type(config).__name__}")
+        text_config = model.config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = _check_model(text_config)
+        if not hasattr(_core, "HeadForest"):
+            raise ImportError("this build of icecache._core has no page layer (HeadForest); reinstall icecache")
+        device = torch.device(config.device) if config.device is not None else next(model.parameters()).device
+        self.config = config
+        self.runtime = Runtime(config, device, track_recall)
+
+        layers, seen_full, group = [], 0, []
+        for idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind in _SLIDING_TYPES:
+                layers.append(DynamicSlidingWindowLayer(**kwargs))
+            elif seen_full < config.full_layers:
+                layers.append(DynamicLayer())
+                seen_full += 1
+            else:
+                if len(group) == config.reuse:
+                    group = []
+                layer = IceLayer(self.runtime, idx, leader=group[0] if group else None)
+                group.append(layer)
+                layers.append(layer)
+        super().__init__(layers=layers)
+        enable(model)
+
+    @property
+    def stats(self) -> RuntimeStats:
+        """Timing, page and recall counters of the decode steps so far."""
+        return self.runtime.stats
+
+    def nbytes(self) -> dict:
+        """KV bytes held now: ``{"device": ..., "host": ...}``. Device bytes are every layer's
+        on-device cache (full and sliding layers' caches; sinks, windows and page pools of
+        IceCache layers); host bytes are the CPU page stores and staging buffers."""
+        total = {"device": 0, "host": self.runtime.staging.nbytes()}
+        for layer in self.layers:
+            if isinstance(layer, IceLayer):
+                for key, value in layer.nbytes().items():
+                    total[key] += value
+            elif layer.is_initialized and layer.keys is not None:
+                total["device"] += 2 * layer.keys.numel() * layer.keys.element_size()
+        return total
+
+    def reset(self) -> None:
+        """Empty the cache (all layers and counters) so that it can serve a new prompt."""
+        super().reset()
+        self.runtime.stats = RuntimeStats()

@@ -1,0 +1,113 @@
+"""Configuration of the IceCache runtime, validated when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any, Optional, Sequence, Union
+
+__all__ = ["IceCacheConfig"]
+
+# HeadForest accepts pages of 8..=64 tokens.
+_PAGE_SIZES = range(8, 65)
+
+
+@dataclass(frozen=True)
+class IceCacheConfig:
+    """How much of the KV cache each decode step attends to, and how it is laid out.
+
+    The budget counts the tokens that enter the attention softmax per (layer, KV head, step):
+    ``sink`` first tokens + up to ``window`` most recent tokens + the retrieved pages, at most
+    ``(budget - sink - window) // page_size`` of them (semantic pages may be partly filled,
+    so the retrieved tokens can be fewer).
+
+    Attributes:
+        budget: tokens attended per step (see above).
+        page_size: tokens per semantic page (8..64).
+        sink: first tokens of each sequence, always attended, kept on the device.
+        window: most recent tokens, always attended, kept on the device; a multiple of
+            ``page_size`` (when full, its oldest page of tokens moves to the index).
+        full_layers: leading full-attention layers that keep the whole cache (their attention
+            is broad).
+        reuse: layer-reuse group size: groups of ``reuse`` consecutive IceCache layers share
+            the first layer's page layout and page selection (1: off).
+        pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
+            across steps until evicted. Default: twice the retrieved pages.
+        effort, num_simple, num_composite, promotion, seed, threads: index parameters, passed
+            to :class:`icecache.HeadForest` (``None``: the index's defaults).
+        device: where sinks, windows and the page pool live. Default: the model's device.
+    """
+
+    budget: int = 256
+    page_size: int = 16
+    sink: int = 16
+    window: int = 32
+    full_layers: int = 2
+    reuse: int = 1
+    pool_pages: Optional[int] = None
+    effort: float = 1.0
+    num_simple: Optional[int] = None
+    num_composite: Optional[int] = None
+    promotion: Union[float, Sequence[float], None] = None
+    seed: Optional[int] = 0
+    threads: Optional[int] = None
+    device: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("budget", "page_size", "sink", "window", "full_layers", "reuse"):
+            value = getattr(self, name)
+            if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"IceCacheConfig.{name} must be a non-negative int, got {value!r}")
+        if self.page_size not in _PAGE_SIZES:
+            raise ValueError(f"IceCacheConfig.page_size must be in 8..64, got {self.page_size}")
+        if self.window < self.page_size or self.window % self.page_size:
+            raise ValueError(
+                f"IceCacheConfig.window ({self.window}) must be a positive multiple of "
+                f"page_size ({self.page_size}): the window moves to the index a page at a time"
+            )
+        if self.reuse < 1:
+            raise ValueError(f"IceCacheConfig.reuse must be >= 1 (1 = no layer reuse), got {self.reuse}")
+        need = self.sink + self.window + self.page_size
+        if self.budget < need:
+            raise ValueError(
+                f"IceCacheConfig.budget ({self.budget}) is below sink ({self.sink}) + window "
+                f"({self.window}) + one page ({self.page_size}); it must be at least {need}"
+            )
+        if self.pool_pages is not None and (
+            not isinstance(self.pool_pages, Integral) or self.pool_pages < self.retrieved_pages
+        ):
+            raise ValueError(
+                f"IceCacheConfig.pool_pages ({self.pool_pages!r}) must be an int >= the retrieved "
+                f"pages per step ({self.retrieved_pages})"
+            )
+        if not isinstance(self.effort, Real) or not self.effort > 0:
+            raise ValueError(f"IceCacheConfig.effort must be > 0, got {self.effort!r}")
+        if self.device is not None:
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"IceCacheConfig.device: {exc}") from None
+
+    @property
+    def retrieved_pages(self) -> int:
+        """Pages retrieved per (layer, KV head, step)."""
+        return (self.budget - self.sink - self.window) // self.page_size
+
+    @property
+    def device_pages(self) -> int:
+        """Device page slots per (sequence, layer, KV head)."""
+        return self.pool_pages if self.pool_pages is not None else 2 * self.retrieved_pages
+
+    def index_kwargs(self) -> dict:
+        """Keyword arguments for :class:`icecache.HeadForest`."""
+        return {
+            "page_size": self.page_size,
+            "seed": self.seed,
+            "threads": self.threads,
+            "num_simple": self.num_simple,
+            "num_composite": self.num_composite,
+            "promotion": self.promotion,
+            "effort": self.effort,
+        }

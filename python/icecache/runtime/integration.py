@@ -1,0 +1,107 @@
+"""Hooks into transformers 5.x: the ``"icecache"`` attention and mask functions.
+
+transformers looks attention up by name (``config._attn_implementation``) and never hands
+the cache to the attention function. An IceCache layer therefore hands itself over in
+``update`` (which every supported attention module calls right before attention) through a
+thread-local slot, and the attention function takes it from there:
+
+- no IceCache layer waiting (full-cache layers, sliding-window layers, other caches): plain
+  transformers SDPA, so ``"icecache"`` is exactly ``"sdpa"`` there;
+- an IceCache layer with its prompt: exact SDPA over the prompt, then the layer offloads and
+  indexes it (the mask tells which positions are padding);
+- an IceCache layer in a decode step: sparse attention over sink + selected pages + window.
+
+The mask function is transformers' ``sdpa_mask``; without a registered mask function,
+transformers silently passes ``attention_mask=None`` and padding would be ignored.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["ATTN_IMPLEMENTATION", "enable", "register"]
+
+#: Attention implementation name registered with transformers.
+ATTN_IMPLEMENTATION = "icecache"
+
+_slot = threading.local()
+_register_lock = threading.Lock()
+_registered = False
+
+
+def hand_off(layer: Any) -> None:
+    """Called by an IceCache layer's ``update``: its attention call comes next."""
+    if getattr(_slot, "layer", None) is not None:
+        _slot.layer = None
+        raise RuntimeError(
+            "IceCache layers are updated but their attention never runs: the model does not use "
+            f"the {ATTN_IMPLEMENTATION!r} attention implementation. Call icecache.enable(model) "
+            "(IceCache(config, model) does this) and do not switch it back while using IceCache."
+        )
+    _slot.layer = layer
+
+
+def _take(module: Any) -> Optional[Any]:
+    layer = getattr(_slot, "layer", None)
+    _slot.layer = None
+    if layer is not None and layer.layer_idx != getattr(module, "layer_idx", None):
+        raise RuntimeError(
+            f"IceCache layer {layer.layer_idx} was updated but attention ran for layer "
+            f"{getattr(module, 'layer_idx', None)}: this model's attention is not supported"
+        )
+    return layer
+
+
+def _valid_positions(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``[B, T]`` bool of the keys that are real tokens (the last query row of the prompt's
+    causal mask sees every real key), or ``None`` when nothing is masked."""
+    if attention_mask is None:
+        return None
+    row = attention_mask[:, 0, -1, :]
+    return row if row.dtype == torch.bool else row == 0
+
+
+def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention function registered as ``"icecache"`` (see the module docstring)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layer = _take(module)
+    if layer is None or not layer.decoding:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                     scaling=scaling, **kwargs)
+        if layer is not None:
+            layer.ingest_prompt(_valid_positions(attention_mask))
+        return out
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError("IceCache does not support attention logit soft-capping or attention sinks")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return layer.attend(query, scaling), None
+
+
+def register() -> None:
+    """Register the ``"icecache"`` attention and mask functions with transformers (once)."""
+    global _registered
+    with _register_lock:
+        if _registered:
+            return
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, icecache_attention)
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+        _registered = True
+
+
+def enable(model: Any) -> None:
+    """Switch ``model`` to the ``"icecache"`` attention implementation.
+
+    It behaves exactly like ``"sdpa"`` unless the model runs with an :class:`IceCache`, so the
+    model can keep it for full-cache runs too. ``IceCache(config, model)`` calls this.
+    """
+    register()
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -1,0 +1,310 @@
+"""One IceCache layer: a transformers ``CacheLayerMixin`` for a full-attention layer whose
+middle tokens are offloaded to CPU semantic pages and retrieved per decode step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import numpy as np
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from icecache import _core
+from icecache.attend import attention_recall, sparse_decode_attention
+from icecache.runtime.config import IceCacheConfig
+from icecache.runtime.integration import hand_off
+from icecache.runtime.pages import History, PageIndex, PageStore, numpy_view
+from icecache.runtime.transfer import Staging
+
+__all__ = ["IceLayer", "Runtime", "RuntimeStats"]
+
+
+@dataclass
+class RuntimeStats:
+    """Counters of the decode steps of all IceCache layers of one cache (seconds are CPU wall
+    time; on a GPU they include waiting for the device)."""
+
+    layer_steps: int = 0
+    select_s: float = 0.0
+    gather_s: float = 0.0
+    copy_s: float = 0.0
+    attend_s: float = 0.0
+    pages_selected: int = 0
+    pages_loaded: int = 0
+    recalls: List[float] = field(default_factory=list)
+
+    @property
+    def recall(self) -> float:
+        """Mean attention recall over tracked (layer, sequence, step)s; NaN if none."""
+        return float(np.mean(self.recalls)) if self.recalls else float("nan")
+
+
+@dataclass
+class Runtime:
+    """State shared by the layers of one IceCache."""
+
+    config: IceCacheConfig
+    device: torch.device
+    track_recall: bool
+    stats: RuntimeStats = field(default_factory=RuntimeStats)
+    staging: Staging = None
+
+    def __post_init__(self) -> None:
+        self.staging = Staging(self.device)
+
+
+class IceLayer(CacheLayerMixin):
+    """Cache of one full-attention layer under IceCache.
+
+    The prompt is attended exactly; then per sequence the first ``sink`` real tokens and the
+    last ``window`` stay on the device and the rest goes to a CPU :class:`PageStore` in
+    semantic page order, indexed by a :class:`PageIndex`. Each decode token joins the window;
+    when the window is full its oldest page of tokens is inserted into the index.
+
+    A layer that leads its reuse group (``leader is None``) owns the indexes and selects
+    pages; the others reuse the leader's page layout, selection and device-slot plan.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, runtime: Runtime, layer_idx: int, leader: Optional["IceLayer"] = None):
+        super().__init__()
+        self.runtime = runtime
+        self.layer_idx = layer_idx
+        self.leader = leader
+        self.length = 0
+        self.decoding = False
+        self._prompt = None
+
+    # ------------------------------------------------------------------ transformers API
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cfg = self.runtime.config
+        B, H, _, D = key_states.shape
+        self.device, self.dtype = self.runtime.device, key_states.dtype
+        self.batch, self.heads, self.dim = B, H, D
+
+        def dense(n):
+            return torch.zeros(B, H, n, D, dtype=self.dtype, device=self.device)
+
+        self.sink_k, self.sink_v = dense(cfg.sink), dense(cfg.sink)
+        self.win_k, self.win_v = dense(cfg.window), dense(cfg.window)
+        self.sink_len = [0] * B
+        self.win_len = [0] * B
+        pool = (B, H, cfg.device_pages, cfg.page_size, D)
+        self.pool_k = torch.zeros(pool, dtype=self.dtype, device=self.device)
+        self.pool_v = torch.zeros(pool, dtype=self.dtype, device=self.device)
+        pin = self.device.type == "cuda"
+        self.stores = [PageStore(H, cfg.page_size, D, self.dtype, pin) for _ in range(B)]
+        if self.leader is None:
+            self.indexes = [PageIndex(H, cfg) for _ in range(B)]
+        else:
+            self.histories = [History(H, D, self.dtype) for _ in range(B)]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Take this step's keys and values (post-RoPE, ``[B, H_kv, T, D]``).
+
+        The first call is the prompt: it is returned whole for exact attention and offloaded
+        afterwards (see :meth:`ingest_prompt`). Later calls take one token per sequence.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._prompt = (key_states, value_states)
+            self.length = key_states.shape[-2]
+            hand_off(self)
+            return key_states, value_states
+        if key_states.shape[-2] != 1:
+            raise NotImplementedError(
+                f"IceCache takes one prompt and then one token per step; layer {self.layer_idx} "
+                f"got {key_states.shape[-2]} tokens after the prompt (chunked prefill and "
+                "speculative decoding are not supported)"
+            )
+        if key_states.shape[0] != self.batch:
+            raise ValueError(f"batch size changed from {self.batch} to {key_states.shape[0]}")
+        self._append(key_states.to(self.device), value_states.to(self.device))
+        self.length += 1
+        hand_off(self)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        """Logical length: every position seen, offloaded and padding ones included."""
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        """Forget everything; the layer initialises again on the next prompt."""
+        self.__init__(self.runtime, self.layer_idx, self.leader)
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("IceCache does not support beam search, cropping or batch reshuffling")
+
+    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
+
+    # ------------------------------------------------------------------ prompt and window
+
+    def ingest_prompt(self, valid: Optional[torch.Tensor]) -> None:
+        """Split the prompt of each sequence into sink, middle (offloaded) and window.
+
+        Args:
+            valid: ``[B, T]`` bool of real (non-padding) positions, or ``None`` for all.
+        """
+        cfg = self.runtime.config
+        k, v = self._prompt
+        self._prompt = None
+        k, v = k.to(self.device), v.to(self.device)
+        for b in range(self.batch):
+            kb, vb = k[b], v[b]
+            if valid is not None and not bool(valid[b].all()):
+                idx = valid[b].nonzero()[:, 0].to(self.device)
+                kb, vb = kb[:, idx], vb[:, idx]
+            n = kb.shape[1]
+            s = min(cfg.sink, n)
+            w = min(cfg.window, n - s)
+            self.sink_k[b, :, :s], self.sink_v[b, :, :s] = kb[:, :s], vb[:, :s]
+            self.win_k[b, :, :w], self.win_v[b, :, :w] = kb[:, n - w :], vb[:, n - w :]
+            self.sink_len[b], self.win_len[b] = s, w
+            if n - s - w > 0:
+                self._offload(b, kb[:, s : n - w], vb[:, s : n - w])
+        self.decoding = True
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        cfg = self.runtime.config
+        ps = cfg.page_size
+        for b in range(self.batch):
+            if self.win_len[b] == cfg.window:
+                # The window is full: its oldest page of tokens goes to the index.
+                old_k, old_v = self.win_k[b, :, :ps].clone(), self.win_v[b, :, :ps].clone()
+                self.win_k[b, :, : cfg.window - ps] = self.win_k[b, :, ps:].clone()
+                self.win_v[b, :, : cfg.window - ps] = self.win_v[b, :, ps:].clone()
+                self.win_len[b] -= ps
+                self._offload(b, old_k, old_v)
+        rows = torch.arange(self.batch, device=self.device)
+        slots = torch.tensor(self.win_len, device=self.device)
+        self.win_k[rows, :, slots] = k[:, :, 0]
+        self.win_v[rows, :, slots] = v[:, :, 0]
+        self.win_len = [n + 1 for n in self.win_len]
+
+    def _offload(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Move ``[H, m, D]`` tokens that follow sequence ``b``'s offloaded ones to its store."""
+        k = k.to("cpu", copy=True).contiguous()
+        v = v.to("cpu", copy=True).contiguous()
+        if self.leader is None:
+            self.indexes[b].add(k, v, self.stores[b])
+        else:
+            self.histories[b].append(k, v)
+            self.leader.indexes[b].follow(self.histories[b], self.stores[b])
+
+    # ------------------------------------------------------------------ decode attention
+
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of this step's query ``[B, H_q, 1, D]`` over sink + selected pages +
+        window; returns ``[B, 1, H_q, D]`` as transformers expects."""
+        rt, cfg = self.runtime, self.runtime.config
+        stats = rt.stats
+        q = query[:, :, 0].to(self.device)
+        indexes = self.indexes if self.leader is None else self.leader.indexes
+
+        t0 = time.perf_counter()
+        if self.leader is None:
+            q_host = q.float().cpu().numpy()
+            for b, index in enumerate(indexes):
+                index.select(q_host[b], cfg.retrieved_pages, scale)
+        t1 = time.perf_counter()
+        meta = self._upload_meta(indexes)
+        t2 = self._load_pages(indexes, meta)
+        t3 = time.perf_counter()
+        out = sparse_decode_attention(
+            q, self.sink_k, self.sink_v, meta["sink_len"], self.pool_k, self.pool_v, meta["table"],
+            meta["page_len"], self.win_k, self.win_v, meta["win_len"], scale,
+        )
+        t4 = time.perf_counter()
+
+        stats.layer_steps += 1
+        stats.select_s += t1 - t0
+        stats.gather_s += t2 - t1
+        stats.copy_s += t3 - t2
+        stats.attend_s += t4 - t3
+        stats.pages_selected += int(sum(int(ix.selection[1].sum()) for ix in indexes))
+        stats.pages_loaded += int(meta["load_h"].numel())
+        if rt.track_recall:
+            self._track_recall(q, indexes, scale)
+        return out[:, None].to(query.device)
+
+    def _upload_meta(self, indexes: List[PageIndex]) -> dict:
+        """One host-to-device copy of this step's small integer metadata."""
+        plans = [ix.plan for ix in indexes]
+        # Attend only over the columns some head uses (fewer pages than the budget allows
+        # while the offloaded part is short).
+        used = max(int(ix.selection[1].max(initial=0)) for ix in indexes)
+        parts = {
+            "sink_len": np.asarray(self.sink_len),
+            "win_len": np.asarray(self.win_len),
+            "table": np.stack([p[3][:, :used] for p in plans]),
+            "page_len": np.stack([ix.selected_lens()[:, :used] for ix in indexes]),
+            "load_b": np.concatenate([np.full(len(p[0]), b) for b, p in enumerate(plans)]),
+            "load_h": np.concatenate([p[0] for p in plans]),
+            "load_slot": np.concatenate([p[2] for p in plans]),
+        }
+        flat = torch.from_numpy(np.concatenate([a.ravel() for a in parts.values()]).astype(np.int32))
+        flat = flat.to(self.device)
+        meta, start = {}, 0
+        for name, a in parts.items():
+            meta[name] = flat[start : start + a.size].view(a.shape)
+            start += a.size
+        return meta
+
+    def _load_pages(self, indexes: List[PageIndex], meta: dict) -> float:
+        """Gather the planned pages into staging rows, copy them to the device in one transfer
+        and scatter them into the page pool. Returns the time the gather ended."""
+        cfg = self.runtime.config
+        plans = [ix.plan for ix in indexes]
+        n = sum(len(p[0]) for p in plans)
+        if n == 0:
+            return time.perf_counter()
+        staging = self.runtime.staging
+        k_rows, v_rows, flat = staging.rows(n, cfg.page_size, self.dim, self.dtype)
+        start = 0
+        for b, (heads, pages, _, _) in enumerate(plans):
+            m = len(heads)
+            if m:
+                _core.gather_pages(*self.stores[b].views(), heads, pages,
+                                   numpy_view(k_rows[start : start + m]), numpy_view(v_rows[start : start + m]))
+                start += m
+        gathered = time.perf_counter()
+        rows = staging.upload(flat).view(2, n, cfg.page_size, self.dim)
+        where = (meta["load_b"].long(), meta["load_h"].long(), meta["load_slot"].long())
+        self.pool_k[where] = rows[0]
+        self.pool_v[where] = rows[1]
+        return gathered
+
+    def _track_recall(self, q: torch.Tensor, indexes: List[PageIndex], scale: float) -> None:
+        for b, index in enumerate(indexes):
+            if index.forest is None:
+                continue
+            s, w = self.sink_len[b], self.win_len[b]
+            dense = torch.cat([self.sink_k[b, :, :s], self.win_k[b, :, :w]], dim=1).cpu()
+            pages = index.lens.shape[1]
+            recall = attention_recall(
+                q[b].cpu(), dense, self.stores[b].k[:, :pages], torch.from_numpy(index.lens),
+                torch.from_numpy(index.selection[0]), scale,
+            )
+            self.runtime.stats.recalls.append(float(recall.mean()))
+
+    def nbytes(self) -> dict:
+        """Bytes held on the device (sink, window, page pool) and in host memory (stores)."""
+        if not self.is_initialized:
+            return {"device": 0, "host": 0}
+        dev = sum(t.numel() * t.element_size() for t in
+                  (self.sink_k, self.sink_v, self.win_k, self.win_v, self.pool_k, self.pool_v))
+        host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
+        return {"device": dev, "host": host}

@@ -1,0 +1,175 @@
+"""CPU side of the runtime: page stores and the per-sequence page index.
+
+For every sequence and IceCache layer, the offloaded ("middle") tokens live in a
+:class:`PageStore`, K and V laid out as semantic pages ``[H_kv, P, page_size, D]`` (pinned
+when the device is a GPU, so the bulk copy can be asynchronous). A :class:`PageIndex` per
+sequence and reuse group owns the :class:`icecache.HeadForest` that decides that layout, the
+valid length of every page, the device residency of pages (:class:`icecache.ResidentPages`)
+and the current step's selection and load plan. Layers that reuse another layer's layout keep
+their own keys in position order (:class:`History`) to rewrite pages that the leader's index
+changes.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from icecache import _core
+from icecache.runtime.config import IceCacheConfig
+
+__all__ = ["numpy_view", "PageStore", "History", "PageIndex"]
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy NumPy view of a contiguous CPU tensor; bfloat16 is viewed as uint16."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+class PageStore:
+    """K and V pages of one layer of one sequence in CPU memory: ``[H_kv, P, S, D]`` each.
+
+    Grows by doubling; the NumPy views handed to the core are taken after any growth.
+    """
+
+    def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype, pin: bool):
+        self.pin = pin
+        self.k = torch.empty(heads, 0, page_size, dim, dtype=dtype)
+        self.v = torch.empty_like(self.k)
+
+    @property
+    def pages(self) -> int:
+        """Allocated pages per head."""
+        return self.k.shape[1]
+
+    def reserve(self, pages: int) -> None:
+        """Make room for at least ``pages`` pages per head, keeping the contents."""
+        if pages <= self.pages:
+            return
+        size = max(pages, 2 * self.pages)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.empty(old.shape[0], size, *old.shape[2:], dtype=old.dtype, pin_memory=self.pin)
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
+
+    def views(self) -> Tuple[np.ndarray, np.ndarray]:
+        """NumPy views of the K and V stores (invalidated by :meth:`reserve`)."""
+        return numpy_view(self.k), numpy_view(self.v)
+
+
+class History:
+    """K and V of one layer's offloaded tokens in position order, ``[H_kv, n, D]`` (grows)."""
+
+    def __init__(self, heads: int, dim: int, dtype: torch.dtype):
+        self.k = torch.empty(heads, 0, dim, dtype=dtype)
+        self.v = torch.empty_like(self.k)
+        self.n = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        m = k.shape[1]
+        if self.n + m > self.k.shape[1]:
+            size = max(self.n + m, 2 * self.k.shape[1])
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = torch.empty(old.shape[0], size, old.shape[2], dtype=old.dtype)
+                new[:, : self.n] = old[:, : self.n]
+                setattr(self, name, new)
+        self.k[:, self.n : self.n + m] = k
+        self.v[:, self.n : self.n + m] = v
+        self.n += m
+
+
+class PageIndex:
+    """The index of one sequence for one reuse group: layout, page lengths, residency, plan.
+
+    Args:
+        heads: KV heads.
+        config: the runtime configuration (page size, index parameters, pool size).
+    """
+
+    def __init__(self, heads: int, config: IceCacheConfig):
+        self.heads = heads
+        self.config = config
+        self.forest: Optional[_core.HeadForest] = None
+        self.resident = _core.ResidentPages(heads, config.device_pages)
+        #: Valid tokens of every page, ``[H_kv, max_pages]`` (0 past a head's pages).
+        self.lens = np.zeros((heads, 0), dtype=np.int32)
+        #: Pages changed by the last :meth:`add`, per head; ``None`` when it built the forest
+        #: (every page is new).
+        self.changed: Optional[List[np.ndarray]] = None
+        #: This step's ``(pages [H, M], counts [H])`` and ``ResidentPages.plan`` result.
+        self.selection: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        self.plan: Optional[Tuple[np.ndarray, ...]] = None
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, store: PageStore) -> None:
+        """Index tokens ``[H_kv, m, D]`` (CPU, contiguous) that follow the indexed ones, and
+        write them into ``store`` in page order."""
+        k_np, v_np = numpy_view(k), numpy_view(v)
+        if self.forest is None:
+            self.forest = _core.HeadForest(k_np, **self.config.index_kwargs())
+            store.reserve(self.forest.max_pages())
+            self.forest.write_pages(k_np, v_np, *store.views())
+            self.changed = None
+        else:
+            store.reserve(self.forest.max_pages() + k.shape[1])
+            self.changed = self.forest.insert(k_np, v_np, *store.views())
+            for head, pages in enumerate(self.changed):
+                # Stale device copies of these pages get reloaded when next selected.
+                self.resident.invalidate(head, pages)
+        self._update_lens()
+
+    def _update_lens(self) -> None:
+        forest = self.forest
+        lens = np.zeros((self.heads, forest.max_pages()), dtype=np.int32)
+        for head in range(self.heads):
+            pages, _ = forest.token_map(head)
+            counts = np.bincount(pages, minlength=forest.num_pages(head))
+            lens[head, : counts.shape[0]] = counts
+        self.lens = lens
+
+    def follow(self, history: History, store: PageStore) -> None:
+        """Bring a reusing layer's ``store`` up to date with this index's last :meth:`add`,
+        from that layer's own keys in position order."""
+        forest = self.forest
+        if self.changed is None:
+            store.reserve(forest.max_pages())
+            k_src = numpy_view(history.k[:, : history.n])
+            v_src = numpy_view(history.v[:, : history.n])
+            forest.write_pages(k_src, v_src, *store.views())
+            return
+        store.reserve(forest.max_pages())
+        for head, pages in enumerate(self.changed):
+            for page in pages.tolist():
+                tokens = torch.from_numpy(forest.page_tokens(head, page))
+                store.k[head, page, : len(tokens)] = history.k[head, tokens]
+                store.v[head, page, : len(tokens)] = history.v[head, tokens]
+
+    def select(self, query: np.ndarray, max_pages: int, scale: float) -> None:
+        """Choose this step's pages for ``query`` (``[H_q, D]``) and plan their loading."""
+        pages = np.full((self.heads, max_pages), -1, dtype=np.int32)
+        counts = np.zeros(self.heads, dtype=np.int32)
+        forest = self.forest
+        if forest is not None and forest.max_pages() <= max_pages:
+            # Everything fits in the budget: take every page, no search (and exact).
+            for head in range(self.heads):
+                n = forest.num_pages(head)
+                pages[head, :n] = np.arange(n, dtype=np.int32)
+                counts[head] = n
+        elif forest is not None:
+            pages, counts = forest.select(query, max_pages, scale=scale)
+        self.selection = (pages, counts)
+        self.plan = self.resident.plan(pages, counts)
+
+    def selected_lens(self) -> np.ndarray:
+        """Valid tokens of each selected page, ``[H_kv, M]`` (0 past the selection)."""
+        pages, counts = self.selection
+        out = np.zeros(pages.shape, dtype=np.int32)
+        if self.lens.shape[1]:
+            rows = np.arange(self.heads)[:, None]
+            out = np.where(pages >= 0, self.lens[rows, np.maximum(pages, 0)], 0).astype(np.int32)
+        return out

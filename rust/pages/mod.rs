@@ -1,0 +1,406 @@
+//! Semantic pages (DESIGN 2.4): one M-DCI tree per KV head of one layer of one sequence; the
+//! members of each leaf cell (keys near one parent), split into runs of at most `page_size` keys
+//! that are near each other, are the physical pages of the CPU KV store.
+//!
+//! Page stores are `[H_kv, P, page_size, d]` arrays (K and V apart), owned by the caller (pinned
+//! memory on CUDA machines); this module writes them but never allocates them.
+
+mod split;
+
+use std::collections::HashMap;
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::error::{ensure, Error, Result};
+use crate::index::{Config, DciIndex, Metric};
+use crate::input::{check_rows, KeyData};
+use split::split_balanced;
+
+/// Allowed page sizes.
+pub const PAGE_SIZES: std::ops::RangeInclusive<usize> = 8..=64;
+
+/// An element of a K/V store: f32, f16, or bf16 carried as its u16 bits.
+pub trait Elem: Copy + Default + Send + Sync + 'static {
+    fn keys(s: &[Self]) -> KeyData<'_>;
+}
+
+impl Elem for f32 {
+    fn keys(s: &[f32]) -> KeyData<'_> {
+        KeyData::F32(s)
+    }
+}
+
+impl Elem for f16 {
+    fn keys(s: &[f16]) -> KeyData<'_> {
+        KeyData::F16(s)
+    }
+}
+
+impl Elem for u16 {
+    fn keys(s: &[u16]) -> KeyData<'_> {
+        KeyData::Bf16(half::slice::HalfBitsSliceExt::reinterpret_cast::<bf16>(s))
+    }
+}
+
+/// The pages of one KV head and the tree that ranks them.
+pub(crate) struct HeadPages {
+    pub index: DciIndex,
+    /// Token positions of each page, in slot order.
+    pub pages: Vec<Vec<u32>>,
+    /// `(page, slot)` of each token position.
+    pub token_page: Vec<(u32, u32)>,
+    /// Sum of each page's keys (`dim` floats per page): where an inserted key fits best.
+    page_sum: Vec<f32>,
+    /// Pages born in each leaf cell: an inserted key joins one of its cell's pages.
+    cell_pages: HashMap<u32, Vec<u32>>,
+}
+
+/// One M-DCI tree and page layout per KV head. See the module docs.
+pub struct HeadForest {
+    pub(crate) heads: Vec<HeadPages>,
+    page_size: usize,
+    dim: usize,
+    len: usize,
+}
+
+impl HeadForest {
+    /// Builds the trees (in parallel, one per head) and pages over `keys` `[num_heads, n, dim]`.
+    /// `cfg.metric` must be inner product (attention); `cfg.seed` seeds head `h` with `seed + h`.
+    pub fn build(keys: KeyData<'_>, num_heads: usize, cfg: Config, page_size: usize) -> Result<HeadForest> {
+        ensure!(PAGE_SIZES.contains(&page_size), "page_size must be in 8..=64, got {page_size}");
+        ensure!(cfg.metric == Metric::InnerProduct, "a HeadForest ranks by inner product (metric \"ip\")");
+        ensure!(num_heads >= 1, "keys must have at least one head");
+        cfg.validate()?;
+        let d = cfg.dim;
+        let keys = keys.to_f32();
+        let rows = check_rows(&keys, d, "keys")?;
+        ensure!(rows % num_heads == 0, "keys: {rows} rows do not split into {num_heads} heads");
+        let n = rows / num_heads;
+        ensure!(n >= 1, "keys must hold at least one token per head");
+        ensure!(n < u32::MAX as usize / 2, "too many tokens per head: {n}");
+        let heads = keys
+            .par_chunks_exact(n * d)
+            .enumerate()
+            .map(|(h, head_keys)| {
+                let mut c = cfg.clone();
+                c.seed = cfg.seed.map(|s| s.wrapping_add(h as u64));
+                HeadPages::build(head_keys, c, page_size)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(HeadForest { heads, page_size, dim: d, len: n })
+    }
+
+    pub fn num_heads(&self) -> usize {
+        self.heads.len()
+    }
+
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Tokens per head.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn num_pages(&self, head: usize) -> Result<usize> {
+        Ok(self.head(head)?.pages.len())
+    }
+
+    /// The configured default search effort.
+    pub fn heads_effort(&self) -> f32 {
+        self.heads[0].index.config().effort
+    }
+
+    pub fn max_pages(&self) -> usize {
+        self.heads.iter().map(|h| h.pages.len()).max().unwrap_or(0)
+    }
+
+    pub fn page_tokens(&self, head: usize, page: usize) -> Result<&[u32]> {
+        let h = self.head(head)?;
+        ensure!(page < h.pages.len(), "page {page} out of range: head {head} has {} pages", h.pages.len());
+        Ok(&h.pages[page])
+    }
+
+    /// `(page, slot)` of every token position of `head`.
+    pub fn token_map(&self, head: usize) -> Result<&[(u32, u32)]> {
+        Ok(&self.head(head)?.token_page)
+    }
+
+    fn head(&self, head: usize) -> Result<&HeadPages> {
+        self.heads
+            .get(head)
+            .ok_or_else(|| Error::Invalid(format!("head {head} out of range: the forest has {} heads", self.heads.len())))
+    }
+
+    /// Checks a store's size: `[H_kv, P, page_size, d]` with `P >= min_pages`; returns `P`.
+    fn store_pages(&self, len: usize, what: &str, min_pages: usize) -> Result<usize> {
+        let per_page = self.page_size * self.dim;
+        ensure!(
+            len % (self.heads.len() * per_page) == 0,
+            "{what} must be [{}, P, {}, {}]",
+            self.heads.len(),
+            self.page_size,
+            self.dim
+        );
+        let p = len / (self.heads.len() * per_page);
+        ensure!(p >= min_pages, "{what} holds {p} pages per head, needs at least {min_pages}");
+        Ok(p)
+    }
+
+    /// Writes K and V of every token (`[H_kv, n, d]`, position order) into the page stores;
+    /// slots no token fills are zeroed.
+    pub fn write_pages<T: Elem>(&self, k_src: &[T], v_src: &[T], k_store: &mut [T], v_store: &mut [T]) -> Result<()> {
+        let (d, s, h) = (self.dim, self.page_size, self.heads.len());
+        for (src, what) in [(k_src, "k_src"), (v_src, "v_src")] {
+            ensure!(src.len() == h * self.len * d, "{what} must be [{h}, {}, {d}]", self.len);
+        }
+        let need = self.max_pages();
+        let p = self.store_pages(k_store.len(), "k_store", need)?;
+        ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
+        let n = self.len;
+        for (src, store) in [(k_src, &mut *k_store), (v_src, &mut *v_store)] {
+            store
+                .par_chunks_mut(p * s * d)
+                .zip(src.par_chunks(n * d))
+                .zip(&self.heads)
+                .for_each(|((st, sr), hp)| {
+                    st.par_chunks_mut(s * d).enumerate().for_each(|(page, block)| {
+                        let tokens: &[u32] = hp.pages.get(page).map_or(&[], |t| &t[..]);
+                        for (slot, row) in block.chunks_mut(d).enumerate() {
+                            match tokens.get(slot) {
+                                Some(&t) => row.copy_from_slice(&sr[t as usize * d..(t as usize + 1) * d]),
+                                None => row.fill(T::default()),
+                            }
+                        }
+                    })
+                });
+        }
+        Ok(())
+    }
+
+    /// Appends `m` tokens per head (`keys`/`values` `[H_kv, m, d]`) at positions `len..len + m`:
+    /// each joins the tree (parent and level drawn as for any insert) and a page of its leaf cell
+    /// (the nearest with room; a full one splits in two). Writes their K/V, and those of tokens a
+    /// split moves, into the stores (`P >= max_pages() + m`). Returns the changed pages per head.
+    pub fn insert<T: Elem>(
+        &mut self,
+        keys: &[T],
+        values: &[T],
+        k_store: &mut [T],
+        v_store: &mut [T],
+    ) -> Result<Vec<Vec<u32>>> {
+        let (d, s, h) = (self.dim, self.page_size, self.heads.len());
+        ensure!(keys.len() % (h * d) == 0 && !keys.is_empty(), "keys must be [{h}, m, {d}] with m >= 1");
+        ensure!(values.len() == keys.len(), "values must have the shape of keys");
+        let m = keys.len() / (h * d);
+        let p = self.store_pages(k_store.len(), "k_store", self.max_pages() + m)?;
+        ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
+        let f32_keys = T::keys(keys).to_f32();
+        check_rows(&f32_keys, d, "keys")?;
+        let start = self.len;
+        let changed = self
+            .heads
+            .par_iter_mut()
+            .zip(k_store.par_chunks_mut(p * s * d))
+            .zip(v_store.par_chunks_mut(p * s * d))
+            .enumerate()
+            .map(|(hi, ((hp, ks), vs))| {
+                let mut changed = Vec::new();
+                for i in 0..m {
+                    let row = (hi * m + i) * d;
+                    let store = Store { k: &mut *ks, v: &mut *vs, d, s };
+                    hp.insert_one(
+                        (start + i) as u32,
+                        &f32_keys[row..row + d],
+                        (&keys[row..row + d], &values[row..row + d]),
+                        store,
+                        &mut changed,
+                    )?;
+                }
+                changed.sort_unstable();
+                changed.dedup();
+                Ok(changed)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.len += m;
+        Ok(changed)
+    }
+}
+
+/// One head's K and V page stores.
+struct Store<'a, T> {
+    k: &'a mut [T],
+    v: &'a mut [T],
+    d: usize,
+    s: usize,
+}
+
+impl<T: Elem> Store<'_, T> {
+    fn write(&mut self, page: u32, slot: u32, k: &[T], v: &[T]) {
+        let at = (page as usize * self.s + slot as usize) * self.d;
+        self.k[at..at + self.d].copy_from_slice(k);
+        self.v[at..at + self.d].copy_from_slice(v);
+    }
+
+    /// Copies of one page's K and V blocks.
+    fn read_page(&self, page: u32) -> (Vec<T>, Vec<T>) {
+        let at = page as usize * self.s * self.d;
+        let n = self.s * self.d;
+        (self.k[at..at + n].to_vec(), self.v[at..at + n].to_vec())
+    }
+
+    fn clear_page(&mut self, page: u32) {
+        let at = page as usize * self.s * self.d;
+        let n = self.s * self.d;
+        self.k[at..at + n].fill(T::default());
+        self.v[at..at + n].fill(T::default());
+    }
+}
+
+impl HeadPages {
+    fn build(keys: &[f32], cfg: Config, page_size: usize) -> Result<HeadPages> {
+        let d = cfg.dim;
+        let n = keys.len() / d;
+        let mut index = DciIndex::new(cfg)?;
+        let ids: Vec<i64> = (0..n as i64).collect();
+        index.add(KeyData::F32(keys), Some(&ids))?;
+        let key = |t: u32| &keys[t as usize * d..(t as usize + 1) * d];
+        let mut hp = HeadPages {
+            pages: Vec::new(),
+            token_page: vec![(u32::MAX, 0); n],
+            page_sum: Vec::new(),
+            cell_pages: HashMap::new(),
+            index,
+        };
+        let cells: Vec<(u32, Vec<u32>)> = hp
+            .index
+            .leaf_cells()
+            .map(|(c, members)| (c, members.iter().map(|&m| hp.index.slot_id(m) as u32).collect()))
+            .collect();
+        let mut groups = Vec::new();
+        for (cell, mut tokens) in cells {
+            groups.clear();
+            split_balanced(&mut tokens, &key, d, page_size, &mut groups);
+            for g in groups.drain(..) {
+                hp.add_page(cell, g, &key);
+            }
+        }
+        Ok(hp)
+    }
+
+    /// Registers a new page of `cell` holding `tokens`; returns its id.
+    fn add_page<'k>(&mut self, cell: u32, tokens: Vec<u32>, key: &impl Fn(u32) -> &'k [f32]) -> u32 {
+        let id = self.pages.len() as u32;
+        let d = self.index.dim();
+        self.page_sum.resize(self.page_sum.len() + d, 0.0);
+        self.set_page(id, tokens, key);
+        self.cell_pages.entry(cell).or_default().push(id);
+        id
+    }
+
+    /// Makes page `id` hold exactly `tokens` (in slot order), updating the maps and its sum.
+    fn set_page<'k>(&mut self, id: u32, tokens: Vec<u32>, key: &impl Fn(u32) -> &'k [f32]) {
+        let d = self.index.dim();
+        let sum = &mut self.page_sum[id as usize * d..(id as usize + 1) * d];
+        sum.fill(0.0);
+        for (slot, &t) in tokens.iter().enumerate() {
+            self.token_page[t as usize] = (id, slot as u32);
+            sum.iter_mut().zip(key(t)).for_each(|(a, b)| *a += b);
+        }
+        if (id as usize) < self.pages.len() {
+            self.pages[id as usize] = tokens;
+        } else {
+            self.pages.push(tokens);
+        }
+    }
+
+    fn insert_one<T: Elem>(
+        &mut self,
+        pos: u32,
+        key: &[f32],
+        kv: (&[T], &[T]),
+        mut store: Store<'_, T>,
+        changed: &mut Vec<u32>,
+    ) -> Result<()> {
+        let (d, s) = (store.d, store.s);
+        self.index.add(KeyData::F32(key), Some(&[pos as i64]))?;
+        self.token_page.push((u32::MAX, 0));
+        let cell = self.index.leaf_cell_of(pos as i64);
+        // The nearest of the cell's pages by centroid, preferring pages with room.
+        let dist = |p: u32| {
+            let n = self.pages[p as usize].len() as f32;
+            let c = &self.page_sum[p as usize * d..(p as usize + 1) * d];
+            c.iter().zip(key).map(|(a, b)| (a / n - b) * (a / n - b)).sum::<f32>()
+        };
+        let pages = self.cell_pages.get(&cell).map_or(&[][..], |v| &v[..]);
+        let best = |room: bool| {
+            pages
+                .iter()
+                .copied()
+                .filter(|&p| !room || self.pages[p as usize].len() < s)
+                .min_by(|&a, &b| dist(a).total_cmp(&dist(b)))
+        };
+        match (best(true), best(false)) {
+            (Some(p), _) => {
+                let slot = self.pages[p as usize].len() as u32;
+                self.pages[p as usize].push(pos);
+                self.token_page[pos as usize] = (p, slot);
+                self.page_sum[p as usize * d..(p as usize + 1) * d].iter_mut().zip(key).for_each(|(a, b)| *a += b);
+                store.write(p, slot, kv.0, kv.1);
+                changed.push(p);
+            }
+            (None, Some(full)) => {
+                // Split the full page and the new token into two tight pages.
+                let (old_k, old_v) = store.read_page(full);
+                let mut tokens = self.pages[full as usize].clone();
+                let old_slot: HashMap<u32, usize> = tokens.iter().enumerate().map(|(i, &t)| (t, i)).collect();
+                tokens.push(pos);
+                let keys_of = |t: u32| -> Vec<f32> {
+                    if t == pos {
+                        key.to_vec()
+                    } else {
+                        // Keys of resident tokens come from the index (f32), not the store.
+                        self.index.key_of_id(t as i64).to_vec()
+                    }
+                };
+                let owned: HashMap<u32, Vec<f32>> = tokens.iter().map(|&t| (t, keys_of(t))).collect();
+                let key_ref = |t: u32| &owned[&t][..];
+                let mut groups = Vec::new();
+                let half = tokens.len().div_ceil(2);
+                split_balanced(&mut tokens, &key_ref, d, half, &mut groups);
+                debug_assert_eq!(groups.len(), 2);
+                let second = groups.pop().unwrap();
+                let first = groups.pop().unwrap();
+                self.set_page(full, first, &key_ref);
+                let new = self.add_page(cell, second, &key_ref);
+                for page in [full, new] {
+                    store.clear_page(page);
+                    for (slot, &t) in self.pages[page as usize].iter().enumerate() {
+                        let (k, v) = match old_slot.get(&t) {
+                            Some(&o) => (&old_k[o * d..(o + 1) * d], &old_v[o * d..(o + 1) * d]),
+                            None => (kv.0, kv.1),
+                        };
+                        store.write(page, slot as u32, k, v);
+                    }
+                    changed.push(page);
+                }
+            }
+            (None, None) => {
+                let p = self.add_page(cell, vec![pos], &|_| key);
+                store.write(p, 0, kv.0, kv.1);
+                changed.push(p);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,86 @@
+//! Balanced recursive splits of a leaf cell into pages: cut along the principal axis at the
+//! size that keeps every page within `max` tokens and all pages of a cell about equally full.
+
+/// Splits `items` into groups of at most `max` (appended to `out`), neighbours in key space
+/// together. `key(t)` gives item `t`'s `dim` floats.
+pub(crate) fn split_balanced<'k>(
+    items: &mut [u32],
+    key: &impl Fn(u32) -> &'k [f32],
+    dim: usize,
+    max: usize,
+    out: &mut Vec<Vec<u32>>,
+) {
+    if items.len() <= max {
+        out.push(items.to_vec());
+        return;
+    }
+    let pages = items.len().div_ceil(max);
+    let left = (items.len() * (pages / 2) + pages / 2) / pages;
+    let axis = principal_axis(items, key, dim);
+    let mut proj: Vec<(f32, u32)> =
+        items.iter().map(|&t| (key(t).iter().zip(&axis).map(|(a, b)| a * b).sum(), t)).collect();
+    proj.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    for (slot, (_, t)) in items.iter_mut().zip(proj) {
+        *slot = t;
+    }
+    let (l, r) = items.split_at_mut(left);
+    split_balanced(l, key, dim, max, out);
+    split_balanced(r, key, dim, max, out);
+}
+
+/// Top principal direction of the items' keys (a few power-iteration steps from the direction
+/// of the item farthest from the mean: deterministic, and close after a handful of steps).
+fn principal_axis<'k>(items: &[u32], key: &impl Fn(u32) -> &'k [f32], dim: usize) -> Vec<f32> {
+    let n = items.len() as f32;
+    let mut mean = vec![0f32; dim];
+    for &t in items {
+        mean.iter_mut().zip(key(t)).for_each(|(m, x)| *m += x / n);
+    }
+    let centred = |t: u32| key(t).iter().zip(&mean).map(|(x, m)| x - m);
+    let far = items
+        .iter()
+        .copied()
+        .max_by(|&a, &b| {
+            let na: f32 = centred(a).map(|x| x * x).sum();
+            let nb: f32 = centred(b).map(|x| x * x).sum();
+            na.total_cmp(&nb)
+        })
+        .unwrap();
+    let mut v: Vec<f32> = centred(far).collect();
+    for _ in 0..6 {
+        let mut next = vec![0f32; dim];
+        for &t in items {
+            let dot: f32 = centred(t).zip(&v).map(|(x, y)| x * y).sum();
+            next.iter_mut().zip(centred(t)).for_each(|(a, x)| *a += dot * x);
+        }
+        let norm = next.iter().map(|x| x * x).sum::<f32>().sqrt();
+        if norm <= f32::MIN_POSITIVE {
+            break;
+        }
+        v = next.into_iter().map(|x| x / norm).collect();
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_are_balanced_and_complete() {
+        let dim = 3;
+        let keys: Vec<f32> = (0..100 * dim).map(|i| ((i * 7919) % 101) as f32).collect();
+        let key = |t: u32| &keys[t as usize * dim..(t as usize + 1) * dim];
+        for n in [1usize, 16, 17, 33, 50, 100] {
+            let mut items: Vec<u32> = (0..n as u32).collect();
+            let mut out = Vec::new();
+            split_balanced(&mut items, &key, dim, 16, &mut out);
+            assert_eq!(out.len(), n.div_ceil(16));
+            let mut all: Vec<u32> = out.iter().flatten().copied().collect();
+            all.sort_unstable();
+            assert_eq!(all, (0..n as u32).collect::<Vec<_>>());
+            let (lo, hi) = (out.iter().map(|g| g.len()).min().unwrap(), out.iter().map(|g| g.len()).max().unwrap());
+            assert!(hi <= 16 && hi - lo <= 1, "{n}: sizes {lo}..{hi}");
+        }
+    }
+}

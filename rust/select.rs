@@ -1,0 +1,90 @@
+//! Page selection for one decode step (FIND-PAGE-INDEX with a GQA union, DESIGN 2.4–2.5).
+//!
+//! Each query head searches its KV head's tree; the keys the search scores (int8 estimates of
+//! `q · k`, or exact scores in exact mode) become softmax weights over that head's middle
+//! tokens, and a page's score is the weight of all its scored keys (not just its best key).
+//! The query heads of a group share one selection: their normalised page weights are summed,
+//! so each head counts equally, and pages are ranked by the sum.
+
+use rayon::prelude::*;
+
+use crate::error::{ensure, Result};
+use crate::index::Scratch;
+use crate::input::check_rows;
+use crate::pages::HeadForest;
+use crate::simd;
+
+/// Options of one selection.
+#[derive(Clone, Copy, Debug)]
+pub struct SelectParams {
+    /// Most pages per KV head.
+    pub max_pages: usize,
+    /// Softmax scale (usually `1 / sqrt(d)`).
+    pub scale: f32,
+    /// Search effort (field of view multiplier).
+    pub effort: f32,
+    /// Score every key exactly instead of searching.
+    pub exact: bool,
+}
+
+impl HeadForest {
+    /// Selects pages for `queries` `[H_q, d]`; returns `pages` `[H_kv, max_pages]` (ranked, -1
+    /// past the count) and `counts` `[H_kv]`.
+    pub fn select(&self, queries: &[f32], p: SelectParams) -> Result<(Vec<i32>, Vec<i32>)> {
+        let h = self.num_heads();
+        let d = self.dim();
+        let hq = check_rows(queries, d, "queries")?;
+        ensure!(hq >= h && hq % h == 0, "queries: {hq} query heads are not a multiple of {h} KV heads");
+        ensure!(p.max_pages >= 1, "max_pages must be at least 1, got {}", p.max_pages);
+        ensure!(p.scale.is_finite() && p.scale > 0.0, "scale must be a positive number, got {}", p.scale);
+        ensure!(p.effort.is_finite() && p.effort > 0.0, "effort must be a positive number, got {}", p.effort);
+        let group = hq / h;
+        // The search must look at no fewer keys than the pages could hold.
+        let pool = p.max_pages * self.page_size();
+        let weights: Vec<Vec<f32>> = queries
+            .par_chunks_exact(d)
+            .enumerate()
+            .map_init(
+                || (Scratch::default(), Vec::new(), Vec::new()),
+                |(scratch, scored, logits), (j, q)| {
+                    let hp = &self.heads[j / group];
+                    scored.clear();
+                    hp.index.scan_scores(q, pool, p.effort, p.exact, scratch, scored);
+                    logits.clear();
+                    logits.extend(scored.iter().map(|&(s, _)| s * p.scale));
+                    let total = simd::softmax_numerators(logits);
+                    let mut w = vec![0f32; hp.pages.len()];
+                    for (&(_, id), &x) in scored.iter().zip(logits.iter()) {
+                        w[hp.token_page[id as usize].0 as usize] += x / total;
+                    }
+                    w
+                },
+            )
+            .collect();
+        let mut pages = vec![-1i32; h * p.max_pages];
+        let mut counts = vec![0i32; h];
+        pages
+            .par_chunks_mut(p.max_pages)
+            .zip(counts.par_iter_mut())
+            .zip(weights.par_chunks(group))
+            .for_each(|((out, count), ws)| {
+                let mut sum = ws[0].clone();
+                for w in &ws[1..] {
+                    sum.iter_mut().zip(w).for_each(|(a, b)| *a += b);
+                }
+                let mut ranked: Vec<(f32, u32)> =
+                    sum.iter().enumerate().filter(|(_, &w)| w > 0.0).map(|(i, &w)| (w, i as u32)).collect();
+                let best_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+                if ranked.len() > p.max_pages {
+                    ranked.select_nth_unstable_by(p.max_pages - 1, best_first);
+                    ranked.truncate(p.max_pages);
+                }
+                ranked.sort_unstable_by(best_first);
+                for (o, &(_, page)) in out.iter_mut().zip(&ranked) {
+                    *o = page as i32;
+                }
+                *count = ranked.len() as i32;
+            });
+        Ok((pages, counts))
+    }
+}
