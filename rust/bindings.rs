@@ -35,16 +35,19 @@ fn to_py(e: Error) -> PyErr {
     }
 }
 
-/// Runs `f` without the GIL (on the index's pool if it has one); a panic becomes RuntimeError.
+/// Runs `f` without the GIL, on the object's pool if it has one and `parallel` work is
+/// coming (handing a small call to a pool thread costs more than the call); a panic becomes
+/// RuntimeError.
 fn run<T: Send>(
     py: Python<'_>,
     pool: &Option<Arc<rayon::ThreadPool>>,
+    parallel: bool,
     f: impl FnOnce() -> crate::Result<T> + Send,
 ) -> PyResult<T> {
     let out = py.allow_threads(|| {
         catch_unwind(AssertUnwindSafe(|| match pool {
-            Some(p) => p.install(f),
-            None => f(),
+            Some(p) if parallel => p.install(f),
+            _ => f(),
         }))
     });
     match out {
@@ -235,11 +238,13 @@ impl PyDciIndex {
         keys: &Bound<'py, PyAny>,
         ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let (keys, _) = Keys::extract(keys, "keys", self.inner.dim())?;
+        let (keys, n) = Keys::extract(keys, "keys", self.inner.dim())?;
         let ids = ids.map(extract_ids).transpose()?;
+        // Only a bulk build (into an empty index) runs in parallel.
+        let parallel = self.inner.is_empty() && n > 1;
         let inner = &mut self.inner;
         let data = keys.data();
-        let out = run(py, &self.pool, || inner.add(data, ids.as_deref()))?;
+        let out = run(py, &self.pool, parallel, || inner.add(data, ids.as_deref()))?;
         Ok(out.into_pyarray(py))
     }
 
@@ -247,7 +252,7 @@ impl PyDciIndex {
     fn remove(&mut self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = extract_ids(ids)?;
         let inner = &mut self.inner;
-        run(py, &self.pool, || inner.remove(&ids))
+        run(py, &self.pool, false, || inner.remove(&ids))
     }
 
     /// Top-``k`` neighbours of each query row: ``(ids [nq, k] int64, scores [nq, k] float32)``.
@@ -266,7 +271,7 @@ impl PyDciIndex {
         }
         let inner = &self.inner;
         let data = queries.data();
-        let (ids, scores) = run(py, &self.pool, || inner.query(data, k as usize, effort, exact))?;
+        let (ids, scores) = run(py, &self.pool, nq > 1, || inner.query(data, k as usize, effort, exact))?;
         let k = k as usize;
         let ids = Array2::from_shape_vec((nq, k), ids).expect("shape");
         let scores = Array2::from_shape_vec((nq, k), scores).expect("shape");
@@ -276,7 +281,7 @@ impl PyDciIndex {
     /// Writes the index to ``path`` (versioned header + checksum; atomic rename).
     fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         let inner = &self.inner;
-        run(py, &None, || inner.save(&path))
+        run(py, &None, false, || inner.save(&path))
     }
 
     /// Reads an index written by ``save``.
@@ -284,7 +289,7 @@ impl PyDciIndex {
     #[pyo3(signature = (path, threads = None))]
     fn load(py: Python<'_>, path: PathBuf, threads: Option<usize>) -> PyResult<Self> {
         let pool = make_pool(threads)?;
-        let inner = run(py, &None, || DciIndex::load(&path))?;
+        let inner = run(py, &None, false, || DciIndex::load(&path))?;
         Ok(PyDciIndex { inner, pool })
     }
 
@@ -412,8 +417,7 @@ impl PyHeadForest {
         apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
         let pool = make_pool(threads)?;
         let data = keys.data();
-        let page_size_ok = page_size;
-        let inner = run(py, &pool, || HeadForest::build(data, shape[0], cfg, page_size_ok))?;
+        let inner = run(py, &pool, true, || HeadForest::build(data, shape[0], cfg, page_size))?;
         Ok(PyHeadForest { inner, pool })
     }
 
@@ -497,7 +501,7 @@ impl PyHeadForest {
             let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
             let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
             let inner = &self.inner;
-            run(py, &self.pool, || inner.write_pages(krl, vrl, ksl, vsl))
+            run(py, &self.pool, true, || inner.write_pages(krl, vrl, ksl, vsl))
         })
     }
 
@@ -524,7 +528,7 @@ impl PyHeadForest {
         };
         let data = q.data();
         let inner = &self.inner;
-        let (pages, counts) = run(py, &self.pool, || inner.select(&data.to_f32(), params))?;
+        let (pages, counts) = run(py, &self.pool, true, || inner.select(&data.to_f32(), params))?;
         let h = self.inner.num_heads();
         let pages = Array2::from_shape_vec((h, params.max_pages), pages).expect("shape");
         Ok((pages.into_pyarray(py), counts.into_pyarray(py)))
@@ -553,7 +557,7 @@ impl PyHeadForest {
             let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
             let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
             let inner = &mut self.inner;
-            run(py, &self.pool, || inner.insert(krl, vrl, ksl, vsl))
+            run(py, &self.pool, true, || inner.insert(krl, vrl, ksl, vsl))
         })?;
         Ok(changed
             .into_iter()
@@ -650,7 +654,7 @@ fn gather_pages(
         let (ktl, vtl) = (kt.as_slice_mut()?, vt.as_slice_mut()?);
         let (ksl, vsl) = (ks.as_slice()?, vs.as_slice()?);
         let block = kshape[2] * kshape[3];
-        run(py, &None, || crate::load::gather_pages(ksl, vsl, kshape[0], block, &hs, &ps, ktl, vtl))
+        run(py, &None, true, || crate::load::gather_pages(ksl, vsl, kshape[0], block, &hs, &ps, ktl, vtl))
     })
 }
 

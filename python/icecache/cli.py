@@ -2,6 +2,8 @@
 
 Subcommands:
 
+* ``icecache demo``: long-context retrieval with SmolLM2-135M on the CPU, full cache vs
+  IceCache at several budgets (see :mod:`icecache.demo`).
 * ``icecache eval recall``: attention-mass recall of KV selections (IceCache, Quest,
   StreamingLLM, an oracle) on real SmolLM2-135M data; prints a table, saves a markdown table,
   a JSON summary and a PNG plot (see :mod:`icecache.eval.recall`).
@@ -84,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
+
+    from icecache import demo
+
+    dm = commands.add_parser("demo", help="long-context retrieval on the CPU: full cache vs IceCache",
+                             description=demo.DESCRIPTION)
+    demo.add_arguments(dm)
+    dm.set_defaults(func=demo.run)
 
     ev = commands.add_parser("eval", help="quality evaluations on real data",
                              description="Quality evaluations on real data.")

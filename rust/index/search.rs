@@ -64,21 +64,27 @@ impl DciIndex {
         let d = self.cfg.dim;
         let mut ids = vec![0i64; nq * k];
         let mut scores = vec![0f32; nq * k];
-        ids.par_chunks_mut(k)
-            .zip(scores.par_chunks_mut(k))
-            .zip(queries.par_chunks_exact(d))
-            .for_each_init(Scratch::default, |s, ((oi, os), q)| {
-                if exact {
+        let one = |s: &mut Scratch, ((oi, os), q): ((&mut [i64], &mut [f32]), &[f32])| {
+            if exact {
+                self.exact_candidates(q, s);
+            } else {
+                self.approx_candidates(q, k, effort, s);
+                if s.cand.len() < k {
+                    // The field of view held fewer than k points (tiny index or huge k).
                     self.exact_candidates(q, s);
-                } else {
-                    self.approx_candidates(q, k, effort, s);
-                    if s.cand.len() < k {
-                        // The field of view held fewer than k points (tiny index or huge k).
-                        self.exact_candidates(q, s);
-                    }
                 }
-                self.emit(k, s, oi, os);
-            });
+            }
+            self.emit(k, s, oi, os);
+        };
+        if nq == 1 {
+            // A single query stays on the caller's thread: handing it to a pool costs more.
+            one(&mut Scratch::default(), ((&mut ids[..], &mut scores[..]), queries));
+        } else {
+            ids.par_chunks_mut(k)
+                .zip(scores.par_chunks_mut(k))
+                .zip(queries.par_chunks_exact(d))
+                .for_each_init(Scratch::default, one);
+        }
         (ids, scores)
     }
 

@@ -8,8 +8,11 @@ use crate::simd;
 
 /// "No cell / no slot".
 pub(super) const NONE: u32 = u32::MAX;
-/// Members a build/insert descent keeps in view at each tier above the target (its beam).
-const BUILD_COVER: usize = 16;
+/// Members a build descent keeps in view at each tier above the target (its beam).
+const BUILD_COVER: usize = 32;
+/// The same for single inserts and removals: half the beam, for speed; one point placed a
+/// little worse costs far less than a whole build would.
+const INSERT_COVER: usize = 16;
 /// Nearest cells a promoted point looks at when it takes over closer members.
 const STEAL_CELLS: usize = 4;
 
@@ -358,11 +361,23 @@ impl DciIndex {
             if t - 1 == target {
                 return;
             }
-            buf.cand.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
-            buf.chosen.clear();
             let need = cover(t - 1);
+            // Order only the head of the list: about `need / mean members` cells cover `need`.
+            let mean = (below.num_members as f32 / below.live_cells() as f32).max(1.0);
+            let head = ((need as f32 / mean).ceil() as usize * 2 + 2).min(buf.cand.len());
+            let by_score = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0);
+            if head > 0 && head < buf.cand.len() {
+                buf.cand.select_nth_unstable_by(head - 1, by_score);
+            }
+            buf.cand[..head].sort_unstable_by(by_score);
+            buf.chosen.clear();
             let mut covered = 0;
-            for &(_, c) in &buf.cand {
+            for i in 0..buf.cand.len() {
+                if i == head {
+                    // Rare: the head did not cover enough; order the rest too.
+                    buf.cand[head..].sort_unstable_by(by_score);
+                }
+                let c = buf.cand[i].1;
                 buf.chosen.push(c);
                 covered += below.cells[c as usize].members.len();
                 if covered >= need {
@@ -375,16 +390,16 @@ impl DciIndex {
     /// The `want` tier-`t` cells whose routes are nearest to point `slot`, nearest first.
     fn near_cells(&self, t: usize, slot: u32, want: usize, buf: &mut Descent) -> Vec<(f32, u32)> {
         let dist = self.route_dist_to(slot);
-        self.descend(t, |_| BUILD_COVER, |tt, c| -dist(tt, c), buf);
+        self.descend(t, |_| INSERT_COVER, |tt, c| -dist(tt, c), buf);
         let cand = &mut buf.cand;
         cand.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
         cand.truncate(want);
         cand.clone()
     }
 
-    fn nearest_cell(&self, t: usize, slot: u32, buf: &mut Descent) -> u32 {
+    fn nearest_cell(&self, t: usize, slot: u32, cover: usize, buf: &mut Descent) -> u32 {
         let dist = self.route_dist_to(slot);
-        self.descend(t, |_| BUILD_COVER, |tt, c| -dist(tt, c), buf);
+        self.descend(t, |_| cover, |tt, c| -dist(tt, c), buf);
         buf.cand.iter().max_by(|a, b| a.0.total_cmp(&b.0)).map(|x| x.1).unwrap_or(NONE)
     }
 
@@ -437,7 +452,7 @@ impl DciIndex {
                 let this = &*self;
                 let assign: Vec<u32> = others
                     .par_iter()
-                    .map_init(Descent::default, |buf, &x| this.nearest_cell(t, x, buf))
+                    .map_init(Descent::default, |buf, &x| this.nearest_cell(t, x, BUILD_COVER, buf))
                     .collect();
                 if round == 1 {
                     self.reset_tier_to_owners(t);
@@ -522,7 +537,7 @@ impl DciIndex {
                 self.open_cell(t, x, &mut buf);
             }
         } else {
-            let parent = if lam == top { self.root } else { self.nearest_cell(lam, x, &mut buf) };
+            let parent = if lam == top { self.root } else { self.nearest_cell(lam, x, INSERT_COVER, &mut buf) };
             self.cell_add(lam, parent, x);
             for t in (0..lam).rev() {
                 self.open_cell(t, x, &mut buf);
@@ -582,7 +597,7 @@ impl DciIndex {
             let members = self.tiers[t].cells[c as usize].members.clone();
             for m in members {
                 self.cell_remove(t, c, m);
-                let nc = self.nearest_cell(t, m, &mut buf);
+                let nc = self.nearest_cell(t, m, INSERT_COVER, &mut buf);
                 self.cell_add(t, nc, m);
             }
             self.free_cell(t, c);

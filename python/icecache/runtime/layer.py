@@ -31,6 +31,7 @@ class RuntimeStats:
     gather_s: float = 0.0
     copy_s: float = 0.0
     attend_s: float = 0.0
+    recall_s: float = 0.0
     pages_selected: int = 0
     pages_loaded: int = 0
     recalls: List[float] = field(default_factory=list)
@@ -238,6 +239,7 @@ class IceLayer(CacheLayerMixin):
         stats.pages_loaded += int(meta["load_h"].numel())
         if rt.track_recall:
             self._track_recall(q, indexes, scale)
+            stats.recall_s += time.perf_counter() - t4
         return out[:, None].to(query.device)
 
     def _upload_meta(self, indexes: List[PageIndex]) -> dict:

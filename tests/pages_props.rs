@@ -1,0 +1,261 @@
+//! Tests of the page layer: layout, stores, selection, inserts, residency and gather.
+
+use std::collections::HashSet;
+
+use icecache::{gather_pages, Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::StandardNormal;
+
+/// `[heads, n, dim]` keys around a few centres per head (attention keys cluster).
+fn keys(heads: usize, n: usize, dim: usize, seed: u64) -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::with_capacity(heads * n * dim);
+    for _ in 0..heads {
+        let centres: Vec<f32> = (0..8 * dim).map(|_| 2.0 * rng.sample::<f32, _>(StandardNormal)).collect();
+        for _ in 0..n {
+            let c = rng.gen_range(0..8);
+            for j in 0..dim {
+                out.push(centres[c * dim + j] + rng.sample::<f32, _>(StandardNormal));
+            }
+        }
+    }
+    out
+}
+
+fn forest(k: &[f32], heads: usize, dim: usize, page_size: usize) -> HeadForest {
+    let mut cfg = Config::new(dim, Metric::InnerProduct);
+    cfg.seed = Some(3);
+    cfg.promotion = vec![0.06, 0.2];
+    HeadForest::build(KeyData::F32(k), heads, cfg, page_size).unwrap()
+}
+
+/// Every token in exactly one page slot, pages within size, maps consistent.
+fn check_layout(f: &HeadForest) {
+    for h in 0..f.num_heads() {
+        let map = f.token_map(h).unwrap();
+        assert_eq!(map.len(), f.len());
+        let mut seen = HashSet::new();
+        for p in 0..f.num_pages(h).unwrap() {
+            let toks = f.page_tokens(h, p).unwrap();
+            assert!(!toks.is_empty() && toks.len() <= f.page_size(), "page {p} has {} tokens", toks.len());
+            for (slot, &t) in toks.iter().enumerate() {
+                assert!(seen.insert(t), "token {t} in two pages");
+                assert_eq!(map[t as usize], (p as u32, slot as u32));
+            }
+        }
+        assert_eq!(seen.len(), f.len(), "pages are not a permutation of the tokens");
+    }
+}
+
+/// Stores hold exactly each token's row at its (page, slot); empty slots are zero.
+fn check_store(f: &HeadForest, src: &[f32], store: &[f32], p: usize) {
+    let (d, s) = (f.dim(), f.page_size());
+    for h in 0..f.num_heads() {
+        let map = f.token_map(h).unwrap();
+        for (t, &(page, slot)) in map.iter().enumerate() {
+            let at = ((h * p + page as usize) * s + slot as usize) * d;
+            assert_eq!(&store[at..at + d], &src[(h * f.len() + t) * d..(h * f.len() + t + 1) * d], "head {h} token {t}");
+        }
+        for page in 0..f.num_pages(h).unwrap() {
+            for slot in f.page_tokens(h, page).unwrap().len()..s {
+                let at = ((h * p + page) * s + slot) * d;
+                assert!(store[at..at + d].iter().all(|&x| x == 0.0));
+            }
+        }
+    }
+}
+
+#[test]
+fn layout_and_store_are_exact() {
+    let (h, n, d, s) = (3, 1500, 16, 16);
+    let k = keys(h, n, d, 1);
+    let v: Vec<f32> = k.iter().map(|x| x * 2.0 + 1.0).collect();
+    let f = forest(&k, h, d, s);
+    check_layout(&f);
+    let p = f.max_pages();
+    assert!(p >= n.div_ceil(s));
+    let mut ks = vec![f32::NAN; h * p * s * d];
+    let mut vs = vec![f32::NAN; h * p * s * d];
+    f.write_pages(&k, &v, &mut ks, &mut vs).unwrap();
+    check_store(&f, &k, &ks, p);
+    check_store(&f, &v, &vs, p);
+    // Pages hold keys near each other: mean within-page spread well below the head's spread.
+    let spread = |toks: &[u32], base: usize| -> f32 {
+        let m: Vec<f32> = (0..d).map(|j| toks.iter().map(|&t| k[(base + t as usize) * d + j]).sum::<f32>() / toks.len() as f32).collect();
+        toks.iter().map(|&t| (0..d).map(|j| (k[(base + t as usize) * d + j] - m[j]).powi(2)).sum::<f32>()).sum::<f32>() / toks.len() as f32
+    };
+    let all: Vec<u32> = (0..n as u32).collect();
+    let within: f32 = (0..f.num_pages(0).unwrap()).map(|pg| spread(f.page_tokens(0, pg).unwrap(), 0)).sum::<f32>()
+        / f.num_pages(0).unwrap() as f32;
+    assert!(within < 0.5 * spread(&all, 0), "pages are not tight: {within} vs {}", spread(&all, 0));
+}
+
+/// Exact-mode selection equals a brute-force reference: pages ranked by the group's summed
+/// per-head softmax mass.
+#[test]
+fn exact_selection_matches_reference() {
+    let (h, g, n, d, s) = (2, 3, 700, 16, 16);
+    let k = keys(h, n, d, 2);
+    let f = forest(&k, h, d, s);
+    let q = keys(1, h * g, d, 9);
+    let scale = 0.25;
+    let max_pages = 7;
+    let (pages, counts) = f.select(&q, SelectParams { max_pages, scale, effort: 1.0, exact: true }).unwrap();
+    for kv in 0..h {
+        let np = f.num_pages(kv).unwrap();
+        let mut mass = vec![0f64; np];
+        for j in kv * g..(kv + 1) * g {
+            let logits: Vec<f64> = (0..n)
+                .map(|t| (0..d).map(|x| q[j * d + x] as f64 * k[(kv * n + t) * d + x] as f64).sum::<f64>() * scale as f64)
+                .collect();
+            let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+            for (t, l) in logits.iter().enumerate() {
+                mass[f.token_map(kv).unwrap()[t].0 as usize] += (l - m).exp() / z;
+            }
+        }
+        let mut order: Vec<usize> = (0..np).collect();
+        order.sort_by(|&a, &b| mass[b].total_cmp(&mass[a]));
+        assert_eq!(counts[kv] as usize, max_pages);
+        let got: Vec<usize> = pages[kv * max_pages..(kv + 1) * max_pages].iter().map(|&p| p as usize).collect();
+        for (r, (&a, &b)) in got.iter().zip(&order).enumerate() {
+            assert!(a == b || (mass[a] - mass[b]).abs() < 1e-6, "rank {r}: page {a} ({}) vs {b} ({})", mass[a], mass[b]);
+        }
+    }
+}
+
+/// A budget covering every page selects every page, in both modes.
+#[test]
+fn full_budget_selects_all_pages() {
+    let (h, n, d, s) = (2, 400, 8, 8);
+    let k = keys(h, n, d, 4);
+    let f = forest(&k, h, d, s);
+    let q = keys(1, 4, d, 5);
+    let max_pages = f.max_pages() + 3;
+    for exact in [true, false] {
+        let (pages, counts) = f.select(&q, SelectParams { max_pages, scale: 0.1, effort: 100.0, exact }).unwrap();
+        for kv in 0..h {
+            let np = f.num_pages(kv).unwrap();
+            assert_eq!(counts[kv] as usize, np, "exact={exact}");
+            let got: HashSet<i32> = pages[kv * max_pages..kv * max_pages + np].iter().copied().collect();
+            assert_eq!(got, (0..np as i32).collect::<HashSet<_>>());
+            assert!(pages[kv * max_pages + np..(kv + 1) * max_pages].iter().all(|&p| p == -1));
+        }
+    }
+}
+
+/// Many decode-time inserts (with page splits): layout and stores stay exact, changed pages
+/// cover every page whose contents moved.
+#[test]
+fn inserts_keep_every_invariant() {
+    let (h, n, d, s) = (2, 300, 8, 8);
+    let total = n + 700;
+    let k = keys(h, total, d, 6);
+    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+    let head_rows = |src: &[f32], lo: usize, hi: usize| -> Vec<f32> {
+        (0..h).flat_map(|hh| src[(hh * total + lo) * d..(hh * total + hi) * d].to_vec()).collect()
+    };
+    let mut f = forest(&head_rows(&k, 0, n), h, d, s);
+    let cap = f.max_pages() + 800;
+    let mut ks = vec![0f32; h * cap * s * d];
+    let mut vs = vec![0f32; h * cap * s * d];
+    f.write_pages(&head_rows(&k, 0, n), &head_rows(&v, 0, n), &mut ks, &mut vs).unwrap();
+    let mut pos = n;
+    let mut splits_seen = false;
+    while pos < total {
+        let m = (total - pos).min(16);
+        let before: Vec<Vec<(u32, u32)>> = (0..h).map(|hh| f.token_map(hh).unwrap().to_vec()).collect();
+        let changed = f.insert(&head_rows(&k, pos, pos + m), &head_rows(&v, pos, pos + m), &mut ks, &mut vs).unwrap();
+        for hh in 0..h {
+            let after = f.token_map(hh).unwrap();
+            let ch: HashSet<u32> = changed[hh].iter().copied().collect();
+            for (t, (&old, &new)) in before[hh].iter().zip(after).enumerate() {
+                if old != new {
+                    splits_seen = true;
+                    assert!(ch.contains(&new.0), "token {t} moved to unreported page {}", new.0);
+                }
+            }
+            for t in pos..pos + m {
+                assert!(ch.contains(&after[t].0));
+            }
+        }
+        pos += m;
+    }
+    assert_eq!(f.len(), total);
+    assert!(splits_seen, "the test never split a page");
+    check_layout(&f);
+    check_store(&f, &k, &ks, cap);
+    check_store(&f, &v, &vs, cap);
+}
+
+#[test]
+fn bad_input_changes_nothing() {
+    let (h, n, d, s) = (2, 100, 8, 8);
+    let k = keys(h, n, d, 7);
+    let cfg = Config::new(d, Metric::InnerProduct);
+    assert!(HeadForest::build(KeyData::F32(&k), h, cfg.clone(), 4).is_err(), "page size");
+    assert!(HeadForest::build(KeyData::F32(&k), 3, cfg.clone(), 8).is_err(), "heads do not divide");
+    assert!(HeadForest::build(KeyData::F32(&k), h, Config::new(d, Metric::L2), 8).is_err(), "metric");
+    let mut f = forest(&k, h, d, s);
+    let q = keys(1, 3, d, 8);
+    let ok = SelectParams { max_pages: 4, scale: 0.3, effort: 1.0, exact: false };
+    assert!(f.select(&q, ok).is_err(), "3 query heads for 2 KV heads");
+    let q4 = keys(1, 4, d, 8);
+    assert!(f.select(&q4, SelectParams { max_pages: 0, ..ok }).is_err());
+    assert!(f.select(&q4, SelectParams { scale: f32::NAN, ..ok }).is_err());
+    let p = f.max_pages();
+    let mut small = vec![0f32; h * p * s * d];
+    let mut small_v = small.clone();
+    let before = f.token_map(0).unwrap().to_vec();
+    let new = keys(h, 4, d, 9);
+    assert!(f.insert(&new, &new, &mut small, &mut small_v).is_err(), "store too small");
+    assert!(f.insert(&new, &new[..8], &mut small, &mut small_v).is_err(), "values shape");
+    assert_eq!(f.len(), n);
+    assert_eq!(f.token_map(0).unwrap(), &before[..]);
+    assert!(small.iter().all(|&x| x == 0.0), "a failed insert wrote into the store");
+}
+
+#[test]
+fn residency_and_gather() {
+    let (h, p, s, d) = (2, 10, 4, 3);
+    let store: Vec<f32> = (0..h * p * s * d).map(|i| i as f32).collect();
+    let vstore: Vec<f32> = store.iter().map(|x| -x).collect();
+    let mut rp = ResidentPages::new(h, 3).unwrap();
+    let pages = vec![5, 2, -1, 7, 1, 3];
+    let counts = vec![2, 3];
+    let plan = rp.plan(&pages, &counts).unwrap();
+    assert_eq!(plan.pages.len(), 5);
+    let order: Vec<(i32, i32)> = plan.heads.iter().copied().zip(plan.pages.iter().copied()).collect();
+    let mut sorted = order.clone();
+    sorted.sort();
+    assert_eq!(order, sorted, "loads must be in source-address order");
+    let mut ks = vec![0f32; 8 * s * d];
+    let mut vs = vec![0f32; 8 * s * d];
+    gather_pages(&store, &vstore, h, s * d, &plan.heads, &plan.pages, &mut ks, &mut vs).unwrap();
+    for (i, (&hh, &pp)) in plan.heads.iter().zip(&plan.pages).enumerate() {
+        let src = (hh as usize * p + pp as usize) * s * d;
+        assert_eq!(&ks[i * s * d..(i + 1) * s * d], &store[src..src + s * d]);
+        assert_eq!(&vs[i * s * d..(i + 1) * s * d], &vstore[src..src + s * d]);
+    }
+    // The table places every selected page in a distinct slot of its head.
+    for hh in 0..h {
+        let slots: HashSet<i32> = plan.table[hh * 3..hh * 3 + counts[hh] as usize].iter().copied().collect();
+        assert_eq!(slots.len(), counts[hh] as usize);
+        assert!(slots.iter().all(|&x| (0..3).contains(&x)));
+    }
+    // Same selection again: nothing to load. Invalidated pages reload into the same slot.
+    assert!(rp.plan(&pages, &counts).unwrap().pages.is_empty());
+    rp.invalidate(1, &[1]).unwrap();
+    let again = rp.plan(&pages, &counts).unwrap();
+    assert_eq!((again.heads.clone(), again.pages.clone()), (vec![1], vec![1]));
+    assert_eq!(again.slots[0], plan.table[3 + 1]);
+    // A new page evicts the least recently used one.
+    let next = rp.plan(&[9, -1, -1, 7, 1, 3], &[1, 3]).unwrap();
+    assert_eq!(next.pages, vec![9]);
+    // Errors: too many pages, duplicates, bad heads.
+    assert!(rp.plan(&[1, 2, 3, 4, 1, 2, 3, 4], &[4, 0]).is_err());
+    assert!(rp.plan(&[1, 1, -1, 2, 3, 4], &[2, 1]).is_err());
+    assert!(gather_pages(&store, &vstore, h, s * d, &[2], &[0], &mut ks, &mut vs).is_err());
+    assert!(gather_pages(&store, &vstore, h, s * d, &[0], &[p as i32], &mut ks, &mut vs).is_err());
+}
