@@ -78,8 +78,63 @@ pub fn sq_dist_rows(q: &[f32], rows: &[f32], out: &mut [f32]) {
 
 /// int8 dot products of one quantised query with `n` consecutive int8 rows:
 /// `out[i] = Σ q[j] · rows[i][j]` in i32 (exact: |sum| ≤ dim · 127², far from overflow for dim ≤ 4096).
-#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn dot_rows_i8(q: &[i8], rows: &[i8], out: &mut [i32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if q.len() <= vnni::MAX_DIM
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+        {
+            // SAFETY: the features the function is compiled for were just detected.
+            unsafe { vnni::dot_rows_i8(q, rows, out) };
+            return;
+        }
+    }
+    dot_rows_i8_portable(q, rows, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+
+    /// The query stays in four registers: head dimensions up to 256.
+    pub(super) const MAX_DIM: usize = 256;
+
+    /// AVX-512 VNNI: `vpdpbusd` multiplies unsigned by signed bytes, so the query is biased by
+    /// +128 into u8 and `128 · Σ row` (a second `vpdpbusd` with a constant 128) is subtracted.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn dot_rows_i8(q: &[i8], rows: &[i8], out: &mut [i32]) {
+        let dim = q.len();
+        let chunks = dim.div_ceil(64);
+        let tail = dim - (chunks - 1) * 64;
+        let tail_mask: __mmask64 = if tail == 64 { !0 } else { (1u64 << tail) - 1 };
+        let bias = _mm512_set1_epi8(-128);
+        let c128 = _mm512_set1_epi8(-128); // as u8: 128
+        let mut qu = [_mm512_setzero_si512(); MAX_DIM / 64];
+        for c in 0..chunks {
+            let m = if c + 1 == chunks { tail_mask } else { !0 };
+            let v = _mm512_maskz_loadu_epi8(m, q.as_ptr().add(c * 64));
+            // Bias only the valid bytes so padding contributes nothing.
+            qu[c] = _mm512_mask_xor_epi32(v, !0, v, _mm512_maskz_mov_epi8(m, bias));
+        }
+        let c128_tail = _mm512_maskz_mov_epi8(tail_mask, c128);
+        for (o, r) in out.iter_mut().zip(rows.chunks_exact(dim)) {
+            let mut acc = _mm512_setzero_si512();
+            let mut corr = _mm512_setzero_si512();
+            for c in 0..chunks {
+                let last = c + 1 == chunks;
+                let m = if last { tail_mask } else { !0 };
+                let v = _mm512_maskz_loadu_epi8(m, r.as_ptr().add(c * 64));
+                acc = _mm512_dpbusd_epi32(acc, qu[c], v);
+                corr = _mm512_dpbusd_epi32(corr, if last { c128_tail } else { c128 }, v);
+            }
+            *o = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc, corr));
+        }
+    }
+}
+
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+fn dot_rows_i8_portable(q: &[i8], rows: &[i8], out: &mut [i32]) {
     let dim = q.len();
     for (o, r) in out.iter_mut().zip(rows.chunks_exact(dim)) {
         let mut acc = [0i32; 32];
@@ -103,8 +158,16 @@ pub fn dot_rows_i8(q: &[i8], rows: &[i8], out: &mut [i32]) {
 /// `exp` (relative error < 1e-5: plenty for ranking pages) keeps the loop vectorised.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn softmax_numerators(x: &mut [f32]) -> f32 {
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0.0;
+    // Lane-wise max and sum: float reductions only vectorise when written across lanes.
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let rest = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    for c in chunks {
+        for i in 0..16 {
+            lanes[i] = lanes[i].max(c[i]);
+        }
+    }
+    let max = lanes.iter().fold(rest, |m, &v| m.max(v));
     for v in x.iter_mut() {
         let t = ((*v - max) * std::f32::consts::LOG2_E).max(-126.0);
         // 2^t = 2^i · 2^f with f in [-1/2, 1/2], where the polynomial below is tight.
@@ -114,9 +177,16 @@ pub fn softmax_numerators(x: &mut [f32]) -> f32 {
             + f * (0.693_147_2
                 + f * (0.240_226_5 + f * (0.055_504_11 + f * (0.009_618_129 + f * 0.001_333_355_8))));
         *v = p * f32::from_bits(((i as i32 + 127) as u32) << 23);
-        sum += *v;
     }
-    sum
+    let mut acc = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for i in 0..16 {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().sum::<f32>() + rest
 }
 
 /// Symmetric int8 quantisation of one vector: returns the scale `s` with `v ≈ s · code`.
@@ -182,7 +252,14 @@ mod tests {
             dot_rows_i8(&qa, &qb, &mut oi);
             let naive_i: i32 = qa.iter().zip(&qb).map(|(x, y)| *x as i32 * *y as i32).sum();
             assert_eq!(oi[0], naive_i);
+            dot_rows_i8_portable(&qa, &qb, &mut oi);
+            assert_eq!(oi[0], naive_i);
             assert!((oi[0] as f32 * sa * sb - naive).abs() < 0.02 * dim as f32);
+            // Extremes: -127 and 127 everywhere.
+            let lo = vec![-127i8; dim];
+            let hi = vec![127i8; dim];
+            dot_rows_i8(&lo, &hi, &mut oi);
+            assert_eq!(oi[0], -127 * 127 * dim as i32);
         }
     }
 }

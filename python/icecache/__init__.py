@@ -7,7 +7,9 @@ The pipeline, stage by stage:
 - ``HeadForest``: one M-DCI tree per KV head of a layer, its leaf cells laid out as semantic
   pages of the CPU KV store, with page selection (GQA union) and decode-time inserts;
 - ``ResidentPages`` and ``gather_pages``: which pages are on the device, and the gather of the
-  missing ones into one staging buffer for a single bulk host-to-device copy.
+  missing ones into one staging buffer for a single bulk host-to-device copy;
+- ``IceCacheConfig``, ``IceCache`` and ``enable``: the KV-cache runtime for transformers 5.x
+  (:mod:`icecache.runtime`; imported on first use, as it needs torch and transformers).
 """
 
 from icecache._core import (
@@ -26,4 +28,19 @@ __all__ = [
     "ResidentPages",
     "gather_pages",
     "__version__",
+    "IceCacheConfig",
+    "IceCache",
+    "enable",
 ]
+
+_RUNTIME = ("IceCacheConfig", "IceCache", "enable")
+
+
+def __getattr__(name):
+    # The runtime needs torch and transformers: import it only when asked for, so that the
+    # index stays usable with numpy alone.
+    if name in _RUNTIME:
+        from icecache import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'icecache' has no attribute {name!r}")

@@ -15,6 +15,8 @@ const BUILD_COVER: usize = 32;
 const INSERT_COVER: usize = 16;
 /// Nearest cells a promoted point looks at when it takes over closer members.
 const STEAL_CELLS: usize = 4;
+/// Cells the build's refinement round chooses among for each point.
+const REFINE_CHOICES: usize = 4;
 
 /// One cell: a parent (`owner`) and the points assigned to it, with their centroid kept as sums.
 #[derive(Clone, Default, Serialize, Deserialize)]
@@ -388,12 +390,16 @@ impl DciIndex {
     }
 
     /// The `want` tier-`t` cells whose routes are nearest to point `slot`, nearest first.
-    fn near_cells(&self, t: usize, slot: u32, want: usize, buf: &mut Descent) -> Vec<(f32, u32)> {
+    fn near_cells(&self, t: usize, slot: u32, want: usize, cover: usize, buf: &mut Descent) -> Vec<(f32, u32)> {
         let dist = self.route_dist_to(slot);
-        self.descend(t, |_| INSERT_COVER, |tt, c| -dist(tt, c), buf);
+        self.descend(t, |_| cover, |tt, c| -dist(tt, c), buf);
         let cand = &mut buf.cand;
-        cand.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
-        cand.truncate(want);
+        let by_score = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0);
+        if want < cand.len() {
+            cand.select_nth_unstable_by(want, by_score);
+            cand.truncate(want);
+        }
+        cand.sort_unstable_by(by_score);
         cand.clone()
     }
 
@@ -447,22 +453,44 @@ impl DciIndex {
                 self.update_route(t, c);
             }
             // Assign to the nearest owner, then once more to the nearest centroid (one Lloyd step:
-            // tighter cells, so fewer of them cover a query's neighbours).
-            for round in 0..2 {
-                let this = &*self;
-                let assign: Vec<u32> = others
-                    .par_iter()
-                    .map_init(Descent::default, |buf, &x| this.nearest_cell(t, x, BUILD_COVER, buf))
-                    .collect();
-                if round == 1 {
-                    self.reset_tier_to_owners(t);
-                }
-                for (&x, &c) in others.iter().zip(&assign) {
-                    self.cell_push(t, c, x, false);
-                }
-                for c in 0..self.tiers[t].cells.len() as u32 {
-                    self.update_route(t, c);
-                }
+            // tighter cells, so fewer of them cover a query's neighbours). The second round
+            // only compares the few cells the first one found nearest.
+            let this = &*self;
+            let near: Vec<[u32; REFINE_CHOICES]> = others
+                .par_iter()
+                .map_init(Descent::default, |buf, &x| {
+                    let mut best = [NONE; REFINE_CHOICES];
+                    for (b, (_, c)) in best.iter_mut().zip(this.near_cells(t, x, REFINE_CHOICES, BUILD_COVER, buf)) {
+                        *b = c;
+                    }
+                    best
+                })
+                .collect();
+            for (&x, cs) in others.iter().zip(&near) {
+                self.cell_push(t, cs[0], x, false);
+            }
+            for c in 0..self.tiers[t].cells.len() as u32 {
+                self.update_route(t, c);
+            }
+            let this = &*self;
+            let refined: Vec<u32> = others
+                .par_iter()
+                .zip(&near)
+                .map(|(&x, cs)| {
+                    let dist = this.route_dist_to(x);
+                    cs.iter()
+                        .copied()
+                        .filter(|&c| c != NONE)
+                        .min_by(|&a, &b| dist(t, a).total_cmp(&dist(t, b)))
+                        .unwrap()
+                })
+                .collect();
+            self.reset_tier_to_owners(t);
+            for (&x, &c) in others.iter().zip(&refined) {
+                self.cell_push(t, c, x, false);
+            }
+            for c in 0..self.tiers[t].cells.len() as u32 {
+                self.update_route(t, c);
             }
         }
         for (s, &l) in self.level.iter().enumerate() {
@@ -548,7 +576,7 @@ impl DciIndex {
     /// Gives `x` its own tier-`t` cell and moves into it the members of nearby cells that are
     /// closer to `x` than to their current route.
     fn open_cell(&mut self, t: usize, x: u32, buf: &mut Descent) {
-        let near = self.near_cells(t, x, STEAL_CELLS, buf);
+        let near = self.near_cells(t, x, STEAL_CELLS, INSERT_COVER, buf);
         let own = self.new_cell(t, x);
         self.cell_add(t, own, x);
         for (_, other) in near {

@@ -1,6 +1,8 @@
 //! Balanced recursive splits of a leaf cell into pages: cut along the principal axis at the
 //! size that keeps every page within `max` tokens and all pages of a cell about equally full.
 
+use crate::simd;
+
 /// Splits `items` into groups of at most `max` (appended to `out`), neighbours in key space
 /// together. `key(t)` gives item `t`'s `dim` floats.
 pub(crate) fn split_balanced<'k>(
@@ -17,8 +19,7 @@ pub(crate) fn split_balanced<'k>(
     let pages = items.len().div_ceil(max);
     let left = (items.len() * (pages / 2) + pages / 2) / pages;
     let axis = principal_axis(items, key, dim);
-    let mut proj: Vec<(f32, u32)> =
-        items.iter().map(|&t| (key(t).iter().zip(&axis).map(|(a, b)| a * b).sum(), t)).collect();
+    let mut proj: Vec<(f32, u32)> = items.iter().map(|&t| (simd::dot(key(t), &axis), t)).collect();
     proj.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
     for (slot, (_, t)) in items.iter_mut().zip(proj) {
         *slot = t;
@@ -31,33 +32,34 @@ pub(crate) fn split_balanced<'k>(
 /// Top principal direction of the items' keys (a few power-iteration steps from the direction
 /// of the item farthest from the mean: deterministic, and close after a handful of steps).
 fn principal_axis<'k>(items: &[u32], key: &impl Fn(u32) -> &'k [f32], dim: usize) -> Vec<f32> {
-    let n = items.len() as f32;
+    let n = items.len();
     let mut mean = vec![0f32; dim];
     for &t in items {
-        mean.iter_mut().zip(key(t)).for_each(|(m, x)| *m += x / n);
+        mean.iter_mut().zip(key(t)).for_each(|(m, x)| *m += x / n as f32);
     }
-    let centred = |t: u32| key(t).iter().zip(&mean).map(|(x, m)| x - m);
-    let far = items
-        .iter()
-        .copied()
-        .max_by(|&a, &b| {
-            let na: f32 = centred(a).map(|x| x * x).sum();
-            let nb: f32 = centred(b).map(|x| x * x).sum();
-            na.total_cmp(&nb)
-        })
-        .unwrap();
-    let mut v: Vec<f32> = centred(far).collect();
-    for _ in 0..6 {
-        let mut next = vec![0f32; dim];
-        for &t in items {
-            let dot: f32 = centred(t).zip(&v).map(|(x, y)| x * y).sum();
-            next.iter_mut().zip(centred(t)).for_each(|(a, x)| *a += dot * x);
+    // Centred rows, contiguous, so each iteration is two passes of SIMD dots.
+    let mut rows = Vec::with_capacity(n * dim);
+    for &t in items {
+        rows.extend(key(t).iter().zip(&mean).map(|(x, m)| x - m));
+    }
+    let far = rows
+        .chunks_exact(dim)
+        .enumerate()
+        .max_by(|a, b| simd::dot(a.1, a.1).total_cmp(&simd::dot(b.1, b.1)))
+        .map_or(0, |(i, _)| i);
+    let mut v = rows[far * dim..(far + 1) * dim].to_vec();
+    let mut next = vec![0f32; dim];
+    for _ in 0..4 {
+        next.fill(0.0);
+        for r in rows.chunks_exact(dim) {
+            let dot = simd::dot(r, &v);
+            next.iter_mut().zip(r).for_each(|(a, x)| *a += dot * x);
         }
-        let norm = next.iter().map(|x| x * x).sum::<f32>().sqrt();
+        let norm = simd::dot(&next, &next).sqrt();
         if norm <= f32::MIN_POSITIVE {
             break;
         }
-        v = next.into_iter().map(|x| x / norm).collect();
+        v.iter_mut().zip(&next).for_each(|(a, b)| *a = b / norm);
     }
     v
 }

@@ -248,7 +248,7 @@ def load_or_capture(
     once with :func:`icecache.capture.capture_qkv` (all layers; about 50 s for 8000 tokens of
     SmolLM2 on 2 cores) and cached as one ``.npz`` per document in ``cache_dir`` (default
     :func:`default_eval_cache_dir`): queries float32 at ``positions`` only, keys and values
-    float16 (about 90 MB per 8000-token document). Later calls load the cache, without loading
+    float16 (about 185 MB per 8000-token document). Later calls load the cache, without loading
     the model or the tokenizer.
 
     Args:
@@ -499,7 +499,7 @@ class RecallResult:
             ("middle_recall", "mean", "middle-only recall (mean)"),
             ("output_error", "mean", "attention output relative error (mean)"),
         ]
-        fig = Figure(figsize=(11, 8.5))
+        fig = Figure(figsize=(11, 9))
         FigureCanvasAgg(fig)
         axes = fig.subplots(2, 2)
         for ax, (metric, kind, title) in zip(axes.ravel(), panels):
@@ -514,11 +514,13 @@ class RecallResult:
             ax.set_xlabel("budget B (tokens per layer, KV head and step)")
             ax.set_title(title, fontsize=10)
             ax.grid(True, alpha=0.3)
-        axes[0, 0].legend(fontsize=8, loc="lower right")
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
         fig.suptitle(
             f"KV selection quality on real data ({self.n_docs} doc(s), layers {_ranges(self.layers)}; "
             f"sink {self.sink}, window {self.window}, page size {self.page_size})", fontsize=11)
-        fig.tight_layout()
+        n_rows = -(-len(self.methods) // 3)
+        fig.tight_layout(rect=(0, 0.025 * n_rows + 0.01, 1, 1))
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(str(path), dpi=110)
@@ -887,12 +889,34 @@ def evaluate_qkv(
 
 def _eval_layer(q, k, v, pos, methods, selectors, extras, page_allow, sink, window, page, scale, seed,
                 threads, configs, timings, arrays, li, s0):
-    """All queries of one (document, layer): fills ``arrays[:, :, li, :, s0:s0 + nq]``."""
+    """All queries of one (document, layer): fills ``arrays[:, :, li, :, s0:s0 + nq]``.
+
+    The big products (logits, full and sink+window attention outputs of all queries) are three
+    einsums per layer; per query and method only the selected tokens are touched. Everything
+    uses ``einsum``, not ``matmul``: multi-threaded BLAS on these small products was several
+    times slower on 2 cores (its spinning threads fight the HeadForest build threads).
+    """
     H_q, nq, D = q.shape
     H_kv, T, _ = k.shape
     G = H_q // H_kv
     qg = q.reshape(H_kv, G, nq, D)
-    raw_all = np.matmul(qg, k.transpose(0, 2, 1)[:, None])  # [H_kv, G, nq, T]
+    raw_all = np.einsum("hgqd,htd->hgqt", qg, k)  # [H_kv, G, nq, T] raw q.k
+    ar = np.arange(T)
+    n_ctx = pos + 1
+    M = n_ctx - window  # per query: window [M, t], middle [sink, M)
+    in_ctx = ar[None, :] < n_ctx[:, None]  # [nq, T]
+    in_base = in_ctx & ((ar[None, :] < sink) | (ar[None, :] >= M[:, None]))
+    lg = np.where(in_ctx, raw_all.astype(np.float64) * scale, -np.inf)
+    lg -= lg.max(-1, keepdims=True)
+    p = np.exp(lg)
+    p /= p.sum(-1, keepdims=True)  # [H_kv, G, nq, T]: softmax over each query's context
+    del lg
+    o_full = np.einsum("hgqt,htd->hgqd", p, v)  # [H_kv, G, nq, D]
+    p_base = p * in_base
+    base_mass = p_base.sum(-1)  # [H_kv, G, nq]
+    base_num = np.einsum("hgqt,htd->hgqd", p_base, v)
+    mid_tot = (1.0 - base_mass).sum(1)  # [H_kv, nq]: the group's middle mass
+    del p_base
     # Quest's positional page bounds: pages [sink + page*j, sink + page*(j+1)) are the same for
     # every query; only the last (partial) page of a query's middle needs its own bound.
     P_all = (T - sink) // page
@@ -900,21 +924,12 @@ def _eval_layer(q, k, v, pos, methods, selectors, extras, page_allow, sink, wind
     kmin_all, kmax_all = kp.min(2), kp.max(2)
     need_quest = any(m in ("quest", "quest_pagemass") for m in methods)
 
-    for qi, t in enumerate(pos):
-        n_ctx = int(t) + 1
-        M = n_ctx - window
-        n_mid = M - sink
-        lg = raw_all[:, :, qi, :n_ctx].astype(np.float64) * scale
-        lg -= lg.max(-1, keepdims=True)
-        p = np.exp(lg)
-        p /= p.sum(-1, keepdims=True)  # [H_kv, G, n_ctx]
-        o_full = np.matmul(p, v[:, :n_ctx])  # [H_kv, G, D]
-        p_mid = p[..., sink:M]
-        v_mid = v[:, sink:M]
-        base_mass = p[..., :sink].sum(-1) + p[..., M:].sum(-1)  # [H_kv, G]
-        base_num = np.matmul(p[..., :sink], v[:, :sink]) + np.matmul(p[..., M:], v[:, M:n_ctx])
-        mid_mass = p_mid.sum(-1)
-        k_mid = np.ascontiguousarray(k[:, sink:M])
+    for qi in range(nq):
+        Mq = int(M[qi])
+        n_mid = Mq - sink
+        p_mid = p[:, :, qi, sink:Mq]  # [H_kv, G, n_mid]
+        v_mid = v[:, sink:Mq]
+        k_mid = np.ascontiguousarray(k[:, sink:Mq])
         if need_quest:
             nf = n_mid // page
             kmin, kmax = kmin_all[:, :nf], kmax_all[:, :nf]
@@ -937,7 +952,10 @@ def _eval_layer(q, k, v, pos, methods, selectors, extras, page_allow, sink, wind
                 timings["forest_build_s"] += time.perf_counter() - t0
             return built[config]
 
-        ctx = _Query(qg[:, :, qi], k_mid, raw_all[:, :, qi, sink:M], p_mid, kbounds, page, forests)
+        ctx = _Query(qg[:, :, qi], k_mid, raw_all[:, :, qi, sink:Mq], p_mid, kbounds, page, forests)
+        bm, bn, of = base_mass[:, :, qi], base_num[:, :, qi], o_full[:, :, qi]
+        of_norm = np.maximum(np.linalg.norm(of, axis=-1), 1e-30)
+        mt = mid_tot[:, qi]
         for mi, m in enumerate(methods):
             if n_mid == 0:
                 sels = [([np.zeros(0, np.int64)] * H_kv, np.zeros(H_kv), np.zeros(H_kv))] * len(extras)
@@ -950,14 +968,14 @@ def _eval_layer(q, k, v, pos, methods, selectors, extras, page_allow, sink, wind
                     idx = toks[h]
                     ph = p_mid[h][:, idx]
                     sel_mass[h] = ph.sum(-1)
-                    sel_num[h] = ph @ v_mid[h][idx]
-                mass = base_mass + sel_mass
-                o_sel = (base_num + sel_num) / mass[..., None]
-                err = np.linalg.norm(o_sel - o_full, axis=-1) / np.maximum(np.linalg.norm(o_full, axis=-1), 1e-30)
-                mid_tot = mid_mass.sum(-1)
+                    sel_num[h] = np.einsum("gn,nd->gd", ph, v_mid[h][idx])
+                mass = bm + sel_mass
+                o_sel = (bn + sel_num) / mass[..., None]
+                err = np.linalg.norm(o_sel - of, axis=-1) / of_norm
                 sl = (mi, bi, li, slice(None), s0 + qi)
                 arrays["recall"][sl] = mass.mean(-1)
-                arrays["middle_recall"][sl] = np.where(mid_tot > 0, sel_mass.sum(-1) / np.maximum(mid_tot, 1e-300), 1.0)
+                arrays["middle_recall"][sl] = np.where(
+                    mt > 1e-12, sel_mass.sum(-1) / np.maximum(mt, 1e-300), 1.0)
                 arrays["output_error"][sl] = err.mean(-1)
                 arrays["pages"][sl] = npages
                 arrays["tokens"][sl] = [len(x) for x in toks]
