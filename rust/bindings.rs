@@ -109,8 +109,13 @@ impl<'py> Keys<'py> {
         let arr = obj.downcast::<numpy::PyUntypedArray>()?;
         let rows = arr.shape()[0];
         let contiguous = arr.is_c_contiguous();
+        // Small blocks (one decode step's keys, one query) are copied under the GIL: cheaper
+        // than registering a borrow, which dominates calls that take a few microseconds.
+        let small = arr.len() <= 4096;
         let keys = if let Ok(a) = obj.downcast::<PyArray2<f32>>() {
-            if contiguous { Keys::F32(a.readonly()) } else { Keys::Owned(a.readonly().as_array().iter().copied().collect(), None, None) }
+            if contiguous && small {
+                Keys::Owned(a.to_vec().expect("contiguous"), None, None)
+            } else if contiguous { Keys::F32(a.readonly()) } else { Keys::Owned(a.readonly().as_array().iter().copied().collect(), None, None) }
         } else if let Ok(a) = obj.downcast::<PyArray2<f16>>() {
             if contiguous { Keys::F16(a.readonly()) } else { Keys::Owned(Vec::new(), Some(a.readonly().as_array().iter().copied().collect()), None) }
         } else if let Ok(a) = obj.downcast::<PyArray2<u16>>() {
@@ -148,6 +153,12 @@ fn bytemuck_u16(s: &[u16]) -> &[bf16] {
 }
 
 fn extract_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    // The common case, an int64 array, without a round trip through Python.
+    if let Ok(a) = obj.downcast::<PyArray1<i64>>() {
+        if let Ok(v) = a.to_vec() {
+            return Ok(v);
+        }
+    }
     let np = obj.py().import("numpy")?;
     let arr = np.call_method1("asarray", (obj,))?;
     let kind: String = arr.getattr("dtype")?.getattr("kind")?.extract()?;

@@ -22,12 +22,6 @@ import torch
 __all__ = ["sparse_decode_attention", "attention_recall"]
 
 
-def _dense_valid(lengths: torch.Tensor, capacity: int, heads: int) -> torch.Tensor:
-    """``[B, H, capacity]`` mask of the first ``lengths[b]`` slots."""
-    slots = torch.arange(capacity, device=lengths.device)
-    return (slots[None, :] < lengths[:, None])[:, None, :].expand(-1, heads, -1)
-
-
 def _gather_pages(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Pool pages named by ``table`` (``-1`` reads slot 0, masked later): ``[B, H, M * S, D]``."""
     B, H, _, S, D = pool.shape
@@ -36,11 +30,23 @@ def _gather_pages(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return pool[b, h, table.clamp(min=0).long()].reshape(B, H, table.shape[2] * S, D)
 
 
-def _page_valid(table: torch.Tensor, page_len: torch.Tensor, page_size: int) -> torch.Tensor:
-    """``[B, H, M * S]`` mask of the occupied slots of the selected pages."""
-    slots = torch.arange(page_size, device=table.device)
-    valid = (slots < page_len[..., None]) & (table >= 0)[..., None]
-    return valid.reshape(*table.shape[:2], -1)
+def _valid_slots(sink_len, sink_cap, page_len, table, page_size, win_len, win_cap) -> torch.Tensor:
+    """``[B, H, Ls + M*S + Lw]`` bool: which slots of sink, selected pages and window hold a
+    token. Each slot is compared with the length of the part (sink, page m, window) it is in."""
+    B, H, M = table.shape
+    dev = table.device
+    lengths = torch.cat(
+        [
+            sink_len.view(B, 1, 1).expand(B, H, 1),
+            torch.where(table >= 0, page_len, 0),
+            win_len.view(B, 1, 1).expand(B, H, 1),
+        ],
+        dim=2,
+    ).long()  # [B, H, M + 2]
+    sizes = torch.tensor([sink_cap] + [page_size] * M + [win_cap], device=dev)
+    part = torch.repeat_interleave(torch.arange(M + 2, device=dev), sizes)
+    slot = torch.arange(part.numel(), device=dev) - (torch.cumsum(sizes, 0) - sizes)[part]
+    return slot < lengths[:, :, part]
 
 
 def sparse_decode_attention(
@@ -75,23 +81,14 @@ def sparse_decode_attention(
     H = sink_k.shape[1]
     if Hq % H:
         raise ValueError(f"{Hq} query heads do not split into {H} KV heads")
-    keys = torch.cat([sink_k, _gather_pages(pool_k, table), win_k], dim=2)
-    values = torch.cat([sink_v, _gather_pages(pool_v, table), win_v], dim=2)
-    valid = torch.cat(
-        [
-            _dense_valid(sink_len, sink_k.shape[2], H),
-            _page_valid(table, page_len, pool_k.shape[3]),
-            _dense_valid(win_len, win_k.shape[2], H),
-        ],
-        dim=2,
-    )
+    valid = _valid_slots(sink_len, sink_k.shape[2], page_len, table, pool_k.shape[3], win_len, win_k.shape[2])
+    empty = ~valid[..., None]
+    # Empty slots may hold anything, even NaN: zero them so that masked terms stay 0.
+    keys = torch.cat([sink_k, _gather_pages(pool_k, table), win_k], dim=2).float().masked_fill(empty, 0.0)
+    values = torch.cat([sink_v, _gather_pages(pool_v, table), win_v], dim=2).float().masked_fill(empty, 0.0)
     q = query.reshape(B, H, Hq // H, D).float()
-    logits = torch.einsum("bhgd,bhld->bhgl", q, keys.float()) * scale
-    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    # Empty slots may hold anything (even NaN): zero them so that 0 * value stays 0.
-    values = values.float().masked_fill(~valid[..., None], 0.0)
-    out = torch.einsum("bhgl,bhld->bhgd", probs, values)
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, :, None, :],
+                                                           scale=scale)
     return out.reshape(B, Hq, D).to(query.dtype)
 
 
