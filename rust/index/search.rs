@@ -9,7 +9,8 @@ use super::{DciIndex, Metric, FREE};
 use crate::simd;
 
 /// Leaf cells in the default field of view, per square root of the number of leaf cells.
-const FOV_SCALE: f32 = 4.0;
+/// Tuned on real attention keys (SmolLM2, 28k keys): recall@100 0.99 at effort 1.
+const FOV_SCALE: f32 = 2.8;
 /// Above the leaves, each tier keeps this many times the candidates the tier below needs.
 const BEAM_SLACK: f32 = 3.0;
 /// Share of a large cell's members that P-DCI retrieves per composite index at effort 1.

@@ -430,7 +430,9 @@ impl DciIndex {
         self.len = n;
         if self.cfg.metric == Metric::InnerProduct {
             let max_sq = self.sq_norms.iter().fold(0f32, |m, &x| m.max(x));
-            self.c = if max_sq > 0.0 { max_sq.sqrt() } else { 1.0 };
+            // Headroom from the start: keys a little larger than the built ones (common in
+            // decode) then leave `c` alone.
+            self.c = if max_sq > 0.0 { max_sq.sqrt() * C_HEADROOM } else { 1.0 };
         }
         self.level = (0..n).map(|_| self.draw_level() as u8).collect();
         let top = *self.level.iter().max().unwrap() as usize;
