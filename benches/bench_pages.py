@@ -11,7 +11,7 @@ Measures, on this machine:
 * bulk gather of the selected pages (K and V) into a staging buffer, against a single-core
   ``memcpy`` of the same bytes (NumPy ``copyto`` of one contiguous block).
 
-    python benches/bench_pages.py [--repeats 20] [--out benches/out]
+    python benches/bench_pages.py [--repeats 20] [--threads 1,2] [--out benches/out]
 """
 
 from __future__ import annotations
@@ -64,26 +64,29 @@ def smollm2_keys() -> np.ndarray:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", default="1,2", help="comma list of thread counts for build and select")
     ap.add_argument("--out", type=Path, default=Path("benches/out"))
     args = ap.parse_args(argv)
+    thread_counts = [int(t) for t in args.threads.split(",")]
     rows = []
 
     shapes = {"smollm2 3x8k x64": smollm2_keys(), "llama8b 8x32k x128": clustered(8, 32768, 128, 2)}
     for name, keys in shapes.items():
-        for threads in (1, 2):
+        for threads in thread_counts:
             secs = timeit(lambda: icecache.HeadForest(keys, seed=0, threads=threads), max(3, args.repeats // 5))
             rows.append(("build", name, threads, secs * 1e3, secs * 1e3 / keys.shape[0], "ms / layer; ms / tree"))
             print(f"build {name:<20} threads={threads}: {secs*1e3:8.1f} ms per layer, {secs*1e3/keys.shape[0]:6.1f} ms per tree", file=sys.stderr)
 
     keys = shapes["llama8b 8x32k x128"]
-    forest = icecache.HeadForest(keys, seed=0, threads=2)
     rng = np.random.default_rng(3)
     # Decode-like queries: near keys of the same head (attention queries align with keys).
     queries = np.stack([keys[h // 4, rng.integers(0, keys.shape[1])] for h in range(32)]).astype(np.float32)
     queries += rng.normal(0, 0.5, queries.shape).astype(np.float32)
-    sel = timeit(lambda: forest.select(queries, 12), args.repeats * 5)
-    rows.append(("select", "llama8b 32q/8kv 32k, 12 pages", 2, sel * 1e3, None, "ms"))
-    print(f"select llama8b layer (2 threads): {sel*1e3:.3f} ms", file=sys.stderr)
+    for threads in thread_counts:
+        forest = icecache.HeadForest(keys, seed=0, threads=threads)
+        sel = timeit(lambda: forest.select(queries, 12), args.repeats * 5)
+        rows.append(("select", "llama8b 32q/8kv 32k, 12 pages", threads, sel * 1e3, None, "ms"))
+        print(f"select llama8b layer ({threads} threads): {sel*1e3:.3f} ms", file=sys.stderr)
 
     # Gather: the pages a step selects (12 per head), K and V, bf16 like a real cache.
     p = forest.max_pages()
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
     header = (
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"python {platform.python_version()}, numpy {np.__version__}, icecache {icecache.__version__}; "
-        f"command: python benches/bench_pages.py --repeats {args.repeats}"
+        f"command: python benches/bench_pages.py --repeats {args.repeats} --threads {args.threads}"
     )
     print(header)
     print("| what | shape | threads | value | per tree / memcpy | unit |")

@@ -416,7 +416,10 @@ impl DciIndex {
         let d = self.cfg.dim;
         let nd = self.cfg.num_dirs();
         let n = ids.len();
-        self.keys = keys.to_vec();
+        // Room for inserts after the build, so the first ones do not pay for a regrowth.
+        let spare = n / 8;
+        self.keys = Vec::with_capacity((n + spare) * d);
+        self.keys.extend_from_slice(keys);
         self.sq_norms = keys.par_chunks_exact(d).map(|k| simd::dot(k, k)).collect();
         let dirs = &self.dirs;
         self.proj = keys
