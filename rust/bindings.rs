@@ -424,7 +424,7 @@ impl PyHeadForest {
         effort: f32,
     ) -> PyResult<Self> {
         let (keys, shape) = Keys::extract_nd(keys, "keys", 0, 3)?;
-        let mut cfg = Config::new(shape[2], Metric::InnerProduct);
+        let mut cfg = HeadForest::default_config(shape[2]);
         apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
         let pool = make_pool(threads)?;
         let data = keys.data();

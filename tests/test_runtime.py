@@ -6,6 +6,7 @@ greedy agreement and long-range retrieval on a real 4k-token prompt (skipped whe
 be neither found in the cache nor fetched from PyPI). Everything runs on the CPU, offline.
 """
 
+import copy
 import time
 import warnings
 
@@ -329,6 +330,24 @@ def test_generate_one_liner_and_logical_length():
     assert torch.equal(again, full)
 
 
+def test_from_prefilled_equals_own_prefill():
+    """One full-cache prefill can serve IceCache: same decode as an IceCache that prefilled."""
+    model = tiny_model("gemma3")
+    ids = prompt_ids(301, seed=8)
+    cfg = IceCacheConfig(budget=96, full_layers=1)
+    own = IceCache(cfg, model)
+    prefix = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(ids[:, :-1], cache=own)
+        model(ids[:, :-1], cache=prefix)
+    taken = IceCache.from_prefilled(cfg, model, prefix)
+    assert taken.get_seq_length() == own.get_seq_length() == 300
+    a = run_steps(model, ids[:, -1:], own, 30)
+    b = run_steps(model, ids[:, -1:], taken, 30)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert prefix.get_seq_length() == 300  # the source is left as it was
+
+
 def test_prompt_shorter_than_sink_and_window():
     model = tiny_model("llama")
     ids = prompt_ids(20, seed=7)
@@ -363,7 +382,8 @@ def smollm2():
 def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record_property):
     """A 4k-token real prompt with a line planted at 10% whose first half ends the prompt.
     Greedy decoding with the full cache gives 64 tokens; IceCache (budget 256) is fed the same
-    tokens and must predict >= 95% of them, and all of the planted line's completion."""
+    tokens and must predict >= 95% of them, and all of the planted line's completion (so its
+    own greedy decoding retrieves the line whenever the full cache does)."""
     from icecache import demo
 
     model, tokenizer = smollm2
@@ -372,21 +392,23 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
     n = ids.shape[1]
     assert n >= 4096
     t0 = time.perf_counter()
+    prefix = DynamicCache()  # one exact prefill (all but the last prompt token) serves both
     with torch.inference_mode():
+        model(ids[:, :-1], cache=prefix, logits_to_keep=1)
         full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64,
-                              min_new_tokens=64, do_sample=False, cache=DynamicCache(),
+                              min_new_tokens=64, do_sample=False, cache=copy.deepcopy(prefix),
                               pad_token_id=tokenizer.eos_token_id)[0, n:]
     answer = tokenizer.decode(full)
     assert answer.strip().startswith(prompt.expected.strip()), answer  # the task is solvable
 
     t1 = time.perf_counter()
-    cache = IceCache(IceCacheConfig(budget=256), model, track_recall=True)
+    cache = IceCache.from_prefilled(IceCacheConfig(budget=256), model, prefix, track_recall=True)
     predicted = []
     with torch.inference_mode():
-        logits = model(ids, cache=cache, logits_to_keep=1).logits[0, -1]
-        for token in full:
-            predicted.append(int(logits.argmax()))
-            logits = model(token.view(1, 1), cache=cache).logits[0, -1]
+        token = ids[:, -1:]
+        for expected in full:
+            predicted.append(int(model(token, cache=cache).logits[0, -1].argmax()))
+            token = expected.view(1, 1)  # teacher forcing: follow the full cache's tokens
     t2 = time.perf_counter()
     agree = np.mean(np.array(predicted) == full.numpy())
     answer_tokens = len(tokenizer(prompt.expected, add_special_tokens=False).input_ids)

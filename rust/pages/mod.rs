@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use crate::error::{ensure, Error, Result};
 use crate::index::{Config, DciIndex, Metric};
 use crate::input::{check_rows, KeyData};
-use split::split_balanced;
+use split::split_pages;
 
 /// Allowed page sizes.
 pub const PAGE_SIZES: std::ops::RangeInclusive<usize> = 8..=64;
@@ -65,6 +65,15 @@ pub struct HeadForest {
 }
 
 impl HeadForest {
+    /// The default index configuration of a forest: inner product, and leaf cells of about a
+    /// hundred keys (first promotion ratio 1/100), cut into full pages. Larger cells than
+    /// `DCIIndex`'s leave fewer part-filled pages (measured by `icecache eval recall`).
+    pub fn default_config(dim: usize) -> Config {
+        let mut cfg = Config::new(dim, Metric::InnerProduct);
+        cfg.promotion = vec![0.01, 1.0 / 16.0, 1.0 / 16.0];
+        cfg
+    }
+
     /// Builds the trees (in parallel, one per head) and pages over `keys` `[num_heads, n, dim]`.
     /// `cfg.metric` must be inner product (attention); `cfg.seed` seeds head `h` with `seed + h`.
     pub fn build(keys: KeyData<'_>, num_heads: usize, cfg: Config, page_size: usize) -> Result<HeadForest> {
@@ -290,7 +299,7 @@ impl HeadPages {
         let mut groups = Vec::new();
         for (cell, mut tokens) in cells {
             groups.clear();
-            split_balanced(&mut tokens, &key, d, page_size, &mut groups);
+            split_pages(&mut tokens, &key, d, page_size, &mut groups);
             for g in groups.drain(..) {
                 hp.add_page(cell, g, &key);
             }
@@ -377,7 +386,7 @@ impl HeadPages {
                 let key_ref = |t: u32| &owned[&t][..];
                 let mut groups = Vec::new();
                 let half = tokens.len().div_ceil(2);
-                split_balanced(&mut tokens, &key_ref, d, half, &mut groups);
+                split_pages(&mut tokens, &key_ref, d, half, &mut groups);
                 debug_assert_eq!(groups.len(), 2);
                 let second = groups.pop().unwrap();
                 let first = groups.pop().unwrap();

@@ -1,11 +1,13 @@
-//! Balanced recursive splits of a leaf cell into pages: cut along the principal axis at the
-//! size that keeps every page within `max` tokens and all pages of a cell about equally full.
+//! Recursive splits of a leaf cell into pages: cut along the principal axis at a multiple of
+//! `max`, so every page of a cell is full but the last. Budgets charge every slot of a selected
+//! page, so full pages carry more attention per slot than evenly part-filled ones (measured on
+//! SmolLM2 by `icecache eval recall`).
 
 use crate::simd;
 
 /// Splits `items` into groups of at most `max` (appended to `out`), neighbours in key space
 /// together. `key(t)` gives item `t`'s `dim` floats.
-pub(crate) fn split_balanced<'k>(
+pub(crate) fn split_pages<'k>(
     items: &mut [u32],
     key: &impl Fn(u32) -> &'k [f32],
     dim: usize,
@@ -17,7 +19,7 @@ pub(crate) fn split_balanced<'k>(
         return;
     }
     let pages = items.len().div_ceil(max);
-    let left = (items.len() * (pages / 2) + pages / 2) / pages;
+    let left = max * (pages / 2);
     let axis = principal_axis(items, key, dim);
     let mut proj: Vec<(f32, u32)> = items.iter().map(|&t| (simd::dot(key(t), &axis), t)).collect();
     proj.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
@@ -25,8 +27,8 @@ pub(crate) fn split_balanced<'k>(
         *slot = t;
     }
     let (l, r) = items.split_at_mut(left);
-    split_balanced(l, key, dim, max, out);
-    split_balanced(r, key, dim, max, out);
+    split_pages(l, key, dim, max, out);
+    split_pages(r, key, dim, max, out);
 }
 
 /// Top principal direction of the items' keys (a few power-iteration steps from the direction
@@ -69,20 +71,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn splits_are_balanced_and_complete() {
+    fn splits_fill_pages_and_cover_every_item() {
         let dim = 3;
         let keys: Vec<f32> = (0..100 * dim).map(|i| ((i * 7919) % 101) as f32).collect();
         let key = |t: u32| &keys[t as usize * dim..(t as usize + 1) * dim];
         for n in [1usize, 16, 17, 33, 50, 100] {
             let mut items: Vec<u32> = (0..n as u32).collect();
             let mut out = Vec::new();
-            split_balanced(&mut items, &key, dim, 16, &mut out);
+            split_pages(&mut items, &key, dim, 16, &mut out);
             assert_eq!(out.len(), n.div_ceil(16));
             let mut all: Vec<u32> = out.iter().flatten().copied().collect();
             all.sort_unstable();
             assert_eq!(all, (0..n as u32).collect::<Vec<_>>());
-            let (lo, hi) = (out.iter().map(|g| g.len()).min().unwrap(), out.iter().map(|g| g.len()).max().unwrap());
-            assert!(hi <= 16 && hi - lo <= 1, "{n}: sizes {lo}..{hi}");
+            let part_filled = out.iter().filter(|g| g.len() < 16).count();
+            assert!(out.iter().all(|g| g.len() <= 16) && part_filled <= 1, "{n}: sizes {:?}", out.iter().map(|g| g.len()).collect::<Vec<_>>());
         }
     }
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -95,6 +96,34 @@ class IceCache(Cache):
                 layers.append(layer)
         super().__init__(layers=layers)
         enable(model)
+
+    @classmethod
+    def from_prefilled(cls, config: Optional[IceCacheConfig], model: Any, cache: Cache,
+                       attention_mask: Optional[torch.Tensor] = None, *, track_recall: bool = False,
+                       ) -> "IceCache":
+        """An IceCache holding a prompt that already ran with a full cache (e.g. a
+        ``DynamicCache``), as if it had run with this IceCache: prefill attention is exact
+        either way. Lets one prefill serve several configurations, or a prefill done elsewhere
+        continue with retrieval. ``cache`` is left unchanged; no memory is shared with it.
+
+        Args:
+            config, model, track_recall: as for :class:`IceCache`.
+            cache: a full cache of ``model`` after the prompt (dense ``keys``/``values`` per
+                layer; sliding-window layers are copied as they are).
+            attention_mask: the prompt's ``[B, T]`` padding mask (``None``: no padding).
+        """
+        ice = cls(config, model, track_recall=track_recall)
+        if len(cache.layers) != len(ice.layers):
+            raise ValueError(f"cache has {len(cache.layers)} layers, the model {len(ice.layers)}")
+        valid = None if attention_mask is None else attention_mask.bool()
+        for i, (mine, theirs) in enumerate(zip(ice.layers, cache.layers)):
+            if isinstance(mine, IceLayer):
+                if getattr(theirs, "is_sliding", False):
+                    raise ValueError(f"layer {i} of cache is a sliding-window layer: it lacks the full prompt")
+                mine.load_prompt(theirs.keys, theirs.values, valid)
+            else:
+                ice.layers[i] = copy.deepcopy(theirs)
+        return ice
 
     @property
     def stats(self) -> RuntimeStats:

@@ -154,14 +154,22 @@ class IceLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ prompt and window
 
     def ingest_prompt(self, valid: Optional[torch.Tensor]) -> None:
-        """Split the prompt of each sequence into sink, middle (offloaded) and window.
+        """Offload the prompt taken by :meth:`update` once its exact attention has run.
 
         Args:
             valid: ``[B, T]`` bool of real (non-padding) positions, or ``None`` for all.
         """
-        cfg = self.runtime.config
         k, v = self._prompt
         self._prompt = None
+        self.load_prompt(k, v, valid)
+
+    def load_prompt(self, k: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+        """Split each sequence's prompt keys/values ``[B, H_kv, T, D]`` into sink, middle
+        (offloaded and indexed) and window; ``valid`` as for :meth:`ingest_prompt`."""
+        cfg = self.runtime.config
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+            self.length = k.shape[-2]
         k, v = k.to(self.device), v.to(self.device)
         for b in range(self.batch):
             kb, vb = k[b], v[b]
