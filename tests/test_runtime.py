@@ -7,6 +7,7 @@ be neither found in the cache nor fetched from PyPI). Everything runs on the CPU
 """
 
 import copy
+import inspect
 import time
 import warnings
 
@@ -61,9 +62,15 @@ def tiny_model(arch: str = "llama"):
     return model.eval()
 
 
-def prompt_ids(n: int, seed: int = 0) -> torch.Tensor:
+def prompt_ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (1, n), generator=g)
+    return torch.randint(1, VOCAB, (batch, n), generator=g)
+
+
+# transformers 5.24 calls the cache argument `cache` (`past_key_values` is its deprecated
+# alias); older 5.x releases (as on the GPU machines, see test_runtime_cuda.py) only know the
+# old name.
+CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 def run_steps(model, ids, cache, steps, attention_mask=None):
@@ -76,14 +83,14 @@ def run_steps(model, ids, cache, steps, attention_mask=None):
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out_logits = []
     with torch.inference_mode():
-        out = model(ids, attention_mask=attention_mask, position_ids=positions, cache=cache)
+        out = model(ids, attention_mask=attention_mask, position_ids=positions, **{CACHE_KW: cache})
         logits = out.logits[:, -1]
         for _ in range(steps):
             out_logits.append(logits)
             token = logits.argmax(-1, keepdim=True)
             attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
             positions = positions[:, -1:] + 1
-            out = model(token, attention_mask=attention_mask, position_ids=positions, cache=cache)
+            out = model(token, attention_mask=attention_mask, position_ids=positions, **{CACHE_KW: cache})
             logits = out.logits[:, -1]
         out_logits.append(logits)
     return torch.stack(out_logits, dim=1)
@@ -107,8 +114,8 @@ def check_pools(cache):
                 for j in range(counts[h]):
                     page, slot = pages[h, j], table[h, j]
                     n = index.lens[h, page]
-                    assert torch.equal(layer.pool_k[b, h, slot, :n], layer.stores[b].k[h, page, :n])
-                    assert torch.equal(layer.pool_v[b, h, slot, :n], layer.stores[b].v[h, page, :n])
+                    assert torch.equal(layer.pool_k[b, h, slot, :n].cpu(), layer.stores[b].k[h, page, :n])
+                    assert torch.equal(layer.pool_v[b, h, slot, :n].cpu(), layer.stores[b].v[h, page, :n])
                     checked += 1
     return checked
 

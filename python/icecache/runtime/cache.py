@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from icecache import _core
 from icecache.runtime.config import IceCacheConfig
@@ -19,11 +19,9 @@ __all__ = ["IceCache", "SUPPORTED_MODEL_TYPES"]
 #: GQA/MQA attention that calls ``cache.update`` then the registered attention function.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
-_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
-
-def _check_model(text_config: Any) -> Tuple[List[str], List[dict]]:
-    """Layer types and layer kwargs of a supported model; ``ValueError`` for anything else."""
+def _layer_types(text_config: Any) -> List[str]:
+    """Attention type of every layer of a supported model; ``ValueError`` for anything else."""
     model_type = getattr(text_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -32,11 +30,14 @@ def _check_model(text_config: Any) -> Tuple[List[str], List[dict]]:
         )
     if getattr(text_config, "attn_logit_softcapping", None) is not None:
         raise ValueError("IceCache does not support attention logit soft-capping (attn_logit_softcapping)")
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-    unknown = sorted({t for t in layer_types if t != "full_attention" and t not in _SLIDING_TYPES})
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:  # as transformers' own caches infer it
+        sliding = getattr(text_config, "sliding_window", None) is not None
+        layer_types = ["sliding_attention" if sliding else "full_attention"] * text_config.num_hidden_layers
+    unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if unknown:
         raise ValueError(f"IceCache does not support attention layers of type {', '.join(unknown)}")
-    return layer_types, layer_kwargs
+    return list(layer_types)
 
 
 class IceCache(Cache):
@@ -74,7 +75,7 @@ class IceCache(Cache):
         if not isinstance(config, IceCacheConfig):
             raise TypeError(f"config must be an IceCacheConfig, got {type(config).__name__}")
         text_config = model.config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = _check_model(text_config)
+        layer_types = _layer_types(text_config)
         if not hasattr(_core, "HeadForest"):
             raise ImportError("this build of icecache._core has no page layer (HeadForest); reinstall icecache")
         device = torch.device(config.device) if config.device is not None else next(model.parameters()).device
@@ -82,9 +83,9 @@ class IceCache(Cache):
         self.runtime = Runtime(config, device, track_recall)
 
         layers, seen_full, group = [], 0, []
-        for idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-            if kind in _SLIDING_TYPES:
-                layers.append(DynamicSlidingWindowLayer(**kwargs))
+        for idx, kind in enumerate(layer_types):
+            if kind == "sliding_attention":
+                layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
             elif seen_full < config.full_layers:
                 layers.append(DynamicLayer())
                 seen_full += 1
