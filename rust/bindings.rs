@@ -62,7 +62,9 @@ enum Keys<'py> {
     F32(numpy::PyReadonlyArray2<'py, f32>),
     F16(numpy::PyReadonlyArray2<'py, f16>),
     U16(numpy::PyReadonlyArray2<'py, u16>),
-    Owned(Vec<f32>, Option<Vec<f16>>, Option<Vec<bf16>>),
+    OwnedF32(Vec<f32>),
+    OwnedF16(Vec<f16>),
+    OwnedBf16(Vec<bf16>),
 }
 
 /// `obj` as a NumPy array: arrays pass through; torch tensors and sequences are converted by
@@ -114,16 +116,24 @@ impl<'py> Keys<'py> {
         let small = arr.len() <= 4096;
         let keys = if let Ok(a) = obj.downcast::<PyArray2<f32>>() {
             if contiguous && small {
-                Keys::Owned(a.to_vec().expect("contiguous"), None, None)
-            } else if contiguous { Keys::F32(a.readonly()) } else { Keys::Owned(a.readonly().as_array().iter().copied().collect(), None, None) }
+                Keys::OwnedF32(a.to_vec().expect("contiguous"))
+            } else if contiguous {
+                Keys::F32(a.readonly())
+            } else {
+                Keys::OwnedF32(a.readonly().as_array().iter().copied().collect())
+            }
         } else if let Ok(a) = obj.downcast::<PyArray2<f16>>() {
-            if contiguous { Keys::F16(a.readonly()) } else { Keys::Owned(Vec::new(), Some(a.readonly().as_array().iter().copied().collect()), None) }
+            if contiguous {
+                Keys::F16(a.readonly())
+            } else {
+                Keys::OwnedF16(a.readonly().as_array().iter().copied().collect())
+            }
         } else if let Ok(a) = obj.downcast::<PyArray2<u16>>() {
             if contiguous {
                 Keys::U16(a.readonly())
             } else {
                 let v = a.readonly().as_array().iter().map(|&b| bf16::from_bits(b)).collect();
-                Keys::Owned(Vec::new(), None, Some(v))
+                Keys::OwnedBf16(v)
             }
         } else {
             return Err(PyValueError::new_err(format!(
@@ -140,9 +150,9 @@ impl<'py> Keys<'py> {
             Keys::F32(a) => KeyData::F32(a.as_slice().expect("contiguous")),
             Keys::F16(a) => KeyData::F16(a.as_slice().expect("contiguous")),
             Keys::U16(a) => KeyData::Bf16(bytemuck_u16(a.as_slice().expect("contiguous"))),
-            Keys::Owned(_, Some(h), _) => KeyData::F16(h),
-            Keys::Owned(_, _, Some(b)) => KeyData::Bf16(b),
-            Keys::Owned(f, None, None) => KeyData::F32(f),
+            Keys::OwnedF32(f) => KeyData::F32(f),
+            Keys::OwnedF16(h) => KeyData::F16(h),
+            Keys::OwnedBf16(b) => KeyData::Bf16(b),
         }
     }
 }

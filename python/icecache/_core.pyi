@@ -79,7 +79,8 @@ class DCIIndex:
 
 class HeadForest:
     """One M-DCI tree per KV head of one layer of one sequence, with the tree's leaf cells laid
-    out as **semantic pages**: runs of at most ``page_size`` tokens whose keys are close.
+    out as **semantic pages**: runs of at most ``page_size`` tokens whose keys are close (each
+    leaf cell is cut along its principal axes into full pages and at most one part-filled one).
 
     ``keys`` is ``[H_kv, n, d]`` (float32, float16, or bfloat16 as a ``uint16`` view). Token ``i``
     of every head has position ``i``; inserted tokens continue at ``n, n + 1, ...``.
@@ -87,7 +88,10 @@ class HeadForest:
 
     Args:
         page_size: tokens per page (8..=64).
-        seed, threads, num_simple, num_composite, promotion, effort: as for ``DCIIndex``.
+        seed, threads, num_simple, num_composite, effort: as for ``DCIIndex``; head ``h`` uses
+            ``seed + h``.
+        promotion: as for ``DCIIndex``; the default ``[0.01, 1/16, 1/16]`` gives leaf cells of
+            about 100 keys.
     """
 
     def __init__(
@@ -130,11 +134,13 @@ class HeadForest:
         *,
         scale: Optional[float] = None,
         effort: Optional[float] = None,
+        exact: bool = False,
     ) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
         """Pages for one decode step: ``queries`` is ``[H_q, d]`` (``H_q`` a multiple of ``H_kv``;
         query head ``j`` belongs to KV head ``j // (H_q // H_kv)``). Returns ``(pages, counts)``:
-        ``pages[h, :counts[h]]`` are KV head ``h``'s pages ranked by the group's estimated
-        attention mass (softmax with ``scale``, default ``1/sqrt(d)``); the rest is -1."""
+        ``pages[h, :counts[h]]`` are KV head ``h``'s pages ranked by the group's attention mass
+        (each query head's softmax with ``scale``, default ``1/sqrt(d)``, over the keys its search
+        scores, summed over the group); the rest is -1. ``exact`` scores every key exactly."""
     def insert(
         self, keys: npt.ArrayLike, values: npt.ArrayLike, k_store: npt.ArrayLike, v_store: npt.ArrayLike
     ) -> List[npt.NDArray[np.int32]]:

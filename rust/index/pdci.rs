@@ -48,8 +48,8 @@ impl DciIndex {
                 let arr = &cell.sorted[j];
                 let q = qproj[j];
                 let at = arr.partition_point(|e| e.0 < q);
-                // Left frontier is encoded as an index below `at`, right as at or above;
-                // `frontier` remembers which side each entry walks.
+                // Two frontiers per simple index, walking left and right from the query;
+                // `encode` packs an entry's index with the side it walks.
                 if at > 0 {
                     s.heap.push(Reverse((gap(arr, at - 1, q), j as u32, encode(at - 1, false))));
                 }
