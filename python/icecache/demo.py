@@ -191,12 +191,12 @@ def run(args: argparse.Namespace) -> int:
         cache = IceCache.from_prefilled(config, model, prefix, track_recall=not args.no_recall)
         index_s = time.perf_counter() - start
         name = f"IceCache {config.budget}"
+        stats = cache.stats
         answer, tps = _generate(model, tokenizer, prompt, cache, args.new_tokens, name, args.quiet,
-                                untimed_s=lambda: cache.stats.recall_s)
+                                untimed_s=lambda: stats.recall_s)
         runs.append(Run(name, answer, _is_correct(answer, prompt.expected), cache.nbytes()["device"],
-                        index_s, tps, cache.stats.recall))
+                        index_s, tps, stats.recall))
         say(f"{name}: {answer!r}")
-        del cache
 
     _print_table(runs, full_bytes)
     return 0 if runs[0].correct else 1

@@ -15,8 +15,6 @@ Logits and softmax are computed in float32 whatever the storage dtype.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 __all__ = ["sparse_decode_attention", "attention_recall"]

@@ -52,7 +52,9 @@ class IceCache(Cache):
     Use it like any cache::
 
         cache = icecache.IceCache(icecache.IceCacheConfig(budget=256), model)
-        out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+        out = model.generate(input_ids, cache=cache, max_new_tokens=64)
+
+    (transformers 5.24 renamed ``past_key_values`` to ``cache``; the old name still works.)
 
     Constructing it switches ``model`` to the ``"icecache"`` attention implementation
     (:func:`icecache.runtime.enable`), which is plain SDPA for any other cache. One cache

@@ -23,8 +23,15 @@ __all__ = ["IceLayer", "Runtime", "RuntimeStats"]
 
 @dataclass
 class RuntimeStats:
-    """Counters of the decode steps of all IceCache layers of one cache (seconds are CPU wall
-    time; on a GPU they include waiting for the device)."""
+    """Counters over the decode steps of all IceCache layers of one cache.
+
+    Seconds are host wall time (on a GPU they include waiting for it): ``select_s`` the page
+    selection and load planning, ``gather_s`` the page-table upload and the gather of missing
+    pages into staging, ``copy_s`` the bulk host-to-device copy and the scatter into the page
+    pool, ``attend_s`` the attention, ``recall_s`` the optional recall measurement.
+    ``pages_selected`` counts the pages attended and ``pages_loaded`` those copied, summed over
+    layers, sequences and KV heads; ``recalls`` holds one recall per (layer, sequence, step).
+    """
 
     layer_steps: int = 0
     select_s: float = 0.0
@@ -277,7 +284,7 @@ class IceLayer(CacheLayerMixin):
         """Gather the planned pages into staging rows, copy them to the device in one transfer
         and scatter them into the page pool. Returns the time the gather ended."""
         cfg = self.runtime.config
-        plans = [ix.plan for ix in indexes]
+        plans = [ix.plan for ix in indexes]  # a reusing layer loads what its leader planned
         n = sum(len(p[0]) for p in plans)
         if n == 0:
             return time.perf_counter()

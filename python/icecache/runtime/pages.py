@@ -136,13 +136,12 @@ class PageIndex:
         """Bring a reusing layer's ``store`` up to date with this index's last :meth:`add`,
         from that layer's own keys in position order."""
         forest = self.forest
+        store.reserve(forest.max_pages())
         if self.changed is None:
-            store.reserve(forest.max_pages())
             k_src = numpy_view(history.k[:, : history.n])
             v_src = numpy_view(history.v[:, : history.n])
             forest.write_pages(k_src, v_src, *store.views())
             return
-        store.reserve(forest.max_pages())
         for head, pages in enumerate(self.changed):
             for page in pages.tolist():
                 tokens = torch.from_numpy(forest.page_tokens(head, page))
