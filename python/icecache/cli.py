@@ -2,7 +2,8 @@
 
 Subcommands:
 
-* ``icecache demo``: long-context retrieval with SmolLM2-135M on the CPU, full cache vs
+* ``icecache demo``: long-context retrieval with a real model on the CPU (SmolLM2-135M by default,
+  Gemma-3-270M with ``--model gemma3``), full cache vs
   IceCache at several budgets (see :mod:`icecache.demo`).
 * ``icecache eval recall``: attention-mass recall of KV selections (IceCache, Quest,
   StreamingLLM, an oracle) on real SmolLM2-135M data; prints a table, saves a markdown table,

