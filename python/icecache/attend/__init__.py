@@ -7,7 +7,9 @@ per-(sequence, KV head) page table. Semantic pages need not be full, so every se
 carries its own valid length.
 
 :mod:`icecache.attend.reference` is the pure-torch implementation (CPU and GPU), exact over the
-selected tokens; faster kernels must match it.
+selected tokens; faster kernels must match it. :mod:`icecache.attend.flashinfer` runs the same
+attention through FlashInfer's paged decode on CUDA (optional: ``icecache[gpu]``); it imports
+FlashInfer only when used (``IceCacheConfig.attention``).
 """
 
 from icecache.attend.reference import attention_recall, sparse_decode_attention

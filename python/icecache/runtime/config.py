@@ -10,6 +10,7 @@ __all__ = ["IceCacheConfig"]
 
 # HeadForest accepts pages of 8..=64 tokens.
 _PAGE_SIZES = range(8, 65)
+_ATTENTION = ("auto", "torch", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class IceCacheConfig:
         effort, num_simple, num_composite, promotion, seed, threads: index parameters, passed
             to :class:`icecache.HeadForest` (``None``: the index's defaults).
         device: where sinks, windows and the page pool live. Default: the model's device.
+        attention: decode attention backend: ``"flashinfer"`` (FlashInfer paged decode with
+            per-KV-head page tables, :mod:`icecache.attend.flashinfer`; CUDA, fp16/bf16, needs
+            ``icecache[gpu]``), ``"torch"`` (the pure-torch reference path, any device) or
+            ``"auto"`` (FlashInfer where it is installed and serves the device, dtype and head
+            dim; torch otherwise).
     """
 
     budget: int = 256
@@ -52,8 +58,14 @@ class IceCacheConfig:
     seed: Optional[int] = 0
     threads: Optional[int] = None
     device: Any = None
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention not in _ATTENTION:
+            raise ValueError(
+                f"IceCacheConfig.attention must be one of {', '.join(map(repr, _ATTENTION))}, "
+                f"got {self.attention!r}"
+            )
         for name in ("budget", "page_size", "sink", "window", "full_layers", "reuse"):
             value = getattr(self, name)
             if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:

@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from icecache import _core
-from icecache.attend import attention_recall, sparse_decode_attention
+from icecache.attend import attention_recall, flashinfer as fi, sparse_decode_attention
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import hand_off
 from icecache.runtime.pages import History, PageIndex, PageStore, numpy_view
@@ -58,9 +58,37 @@ class Runtime:
     track_recall: bool
     stats: RuntimeStats = field(default_factory=RuntimeStats)
     staging: Staging = None
+    #: FlashInfer decode shared by the layers (``None``: the torch path), from ``config.attention``.
+    flashinfer: Optional["fi.FlashInferDecode"] = None
+    #: Synchronise the device at every timing boundary so that the breakdown in :attr:`stats`
+    #: is device time, not launch time (slower; for benchmarks).
+    sync_timing: bool = False
 
     def __post_init__(self) -> None:
         self.staging = Staging(self.device)
+        choice = self.config.attention
+        if choice == "flashinfer" and not (self.device.type == "cuda" and fi.available()):
+            raise ValueError("IceCacheConfig(attention='flashinfer') needs a CUDA device and FlashInfer "
+                             "(pip install icecache[gpu]); use 'auto' to fall back to torch")
+        if choice != "torch" and self.device.type == "cuda" and fi.available():
+            self.flashinfer = fi.FlashInferDecode(self.device)
+
+    def use_flashinfer(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether layers of this dtype and head dim attend through FlashInfer."""
+        if self.flashinfer is None:
+            return False
+        if fi.supports(self.device, dtype, head_dim):
+            return True
+        if self.config.attention == "flashinfer":
+            raise ValueError(f"FlashInfer decode serves fp16/bf16 with head dim 64, 128 or 256, "
+                             f"not {dtype} with head dim {head_dim}; use attention='auto' or 'torch'")
+        return False
+
+    def tick(self) -> float:
+        """A timestamp for the breakdown (after a device sync when :attr:`sync_timing`)."""
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
 
 class IceLayer(CacheLayerMixin):
@@ -96,16 +124,20 @@ class IceLayer(CacheLayerMixin):
         self.device, self.dtype = self.runtime.device, key_states.dtype
         self.batch, self.heads, self.dim = B, H, D
 
-        def dense(n):
-            return torch.zeros(B, H, n, D, dtype=self.dtype, device=self.device)
-
-        self.sink_k, self.sink_v = dense(cfg.sink), dense(cfg.sink)
-        self.win_k, self.win_v = dense(cfg.window), dense(cfg.window)
+        # All device tokens of a layer in one buffer per K/V, [B, H, pool | sink | window, D]:
+        # the page pool, sink and window are views of it, so that FlashInfer can address all
+        # three through one folded page table (icecache.attend.flashinfer).
+        C, S = cfg.device_pages, cfg.page_size
+        pool_tokens = C * S
+        T = pool_tokens + cfg.sink + cfg.window
+        self.kv_k = torch.zeros(B, H, T, D, dtype=self.dtype, device=self.device)
+        self.kv_v = torch.zeros_like(self.kv_k)
+        self.pool_k, self.pool_v = (t[:, :, :pool_tokens].view(B, H, C, S, D) for t in (self.kv_k, self.kv_v))
+        self.sink_k, self.sink_v = (t[:, :, pool_tokens : pool_tokens + cfg.sink] for t in (self.kv_k, self.kv_v))
+        self.win_k, self.win_v = (t[:, :, pool_tokens + cfg.sink :] for t in (self.kv_k, self.kv_v))
         self.sink_len = [0] * B
         self.win_len = [0] * B
-        pool = (B, H, cfg.device_pages, cfg.page_size, D)
-        self.pool_k = torch.zeros(pool, dtype=self.dtype, device=self.device)
-        self.pool_v = torch.zeros(pool, dtype=self.dtype, device=self.device)
+        self.use_flashinfer = self.runtime.use_flashinfer(self.dtype, D)
         pin = self.device.type == "cuda"
         self.stores = [PageStore(H, cfg.page_size, D, self.dtype, pin) for _ in range(B)]
         if self.leader is None:
@@ -230,20 +262,23 @@ class IceLayer(CacheLayerMixin):
         q = query[:, :, 0].to(self.device)
         indexes = self.indexes if self.leader is None else self.leader.indexes
 
-        t0 = time.perf_counter()
+        t0 = rt.tick()
         if self.leader is None:
             q_host = q.float().cpu().numpy()
             for b, index in enumerate(indexes):
                 index.select(q_host[b], cfg.retrieved_pages, scale)
-        t1 = time.perf_counter()
+        t1 = rt.tick()
         meta = self._upload_meta(indexes)
         t2 = self._load_pages(indexes, meta)
-        t3 = time.perf_counter()
-        out = sparse_decode_attention(
-            q, self.sink_k, self.sink_v, meta["sink_len"], self.pool_k, self.pool_v, meta["table"],
-            meta["page_len"], self.win_k, self.win_v, meta["win_len"], scale,
-        )
-        t4 = time.perf_counter()
+        t3 = rt.tick()
+        if self.use_flashinfer:
+            out = rt.flashinfer.run(q, self.kv_k, self.kv_v, meta["fi_indptr"], meta["fi_indices"], scale)
+        else:
+            out = sparse_decode_attention(
+                q, self.sink_k, self.sink_v, meta["sink_len"], self.pool_k, self.pool_v, meta["table"],
+                meta["page_len"], self.win_k, self.win_v, meta["win_len"], scale,
+            )
+        t4 = rt.tick()
 
         stats.layer_steps += 1
         stats.select_s += t1 - t0
@@ -272,6 +307,12 @@ class IceLayer(CacheLayerMixin):
             "load_h": np.concatenate([p[0] for p in plans]),
             "load_slot": np.concatenate([p[2] for p in plans]),
         }
+        if self.use_flashinfer:
+            cfg = self.runtime.config
+            parts["fi_indptr"], parts["fi_indices"] = fi.token_lists(
+                parts["table"], parts["page_len"], parts["sink_len"], parts["win_len"],
+                cfg.device_pages, cfg.page_size, cfg.sink, cfg.window,
+            )
         flat = torch.from_numpy(np.concatenate([a.ravel() for a in parts.values()]).astype(np.int32))
         flat = flat.to(self.device)
         meta, start = {}, 0
@@ -287,7 +328,7 @@ class IceLayer(CacheLayerMixin):
         plans = [ix.plan for ix in indexes]  # a reusing layer loads what its leader planned
         n = sum(len(p[0]) for p in plans)
         if n == 0:
-            return time.perf_counter()
+            return self.runtime.tick()
         staging = self.runtime.staging
         k_rows, v_rows, flat = staging.rows(n, cfg.page_size, self.dim, self.dtype)
         start = 0
@@ -297,7 +338,7 @@ class IceLayer(CacheLayerMixin):
                 _core.gather_pages(*self.stores[b].views(), heads, pages,
                                    numpy_view(k_rows[start : start + m]), numpy_view(v_rows[start : start + m]))
                 start += m
-        gathered = time.perf_counter()
+        gathered = self.runtime.tick()
         rows = staging.upload(flat).view(2, n, cfg.page_size, self.dim)
         where = (meta["load_b"].long(), meta["load_h"].long(), meta["load_slot"].long())
         self.pool_k[where] = rows[0]
@@ -321,7 +362,6 @@ class IceLayer(CacheLayerMixin):
         """Bytes held on the device (sink, window, page pool) and in host memory (stores)."""
         if not self.is_initialized:
             return {"device": 0, "host": 0}
-        dev = sum(t.numel() * t.element_size() for t in
-                  (self.sink_k, self.sink_v, self.win_k, self.win_v, self.pool_k, self.pool_v))
+        dev = sum(t.numel() * t.element_size() for t in (self.kv_k, self.kv_v))
         host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
         return {"device": dev, "host": host}
