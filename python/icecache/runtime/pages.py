@@ -20,7 +20,7 @@ import torch
 from icecache import _core
 from icecache.runtime.config import IceCacheConfig
 
-__all__ = ["numpy_view", "PageStore", "History", "PageIndex"]
+__all__ = ["numpy_view", "headroom", "PageStore", "History", "PageIndex"]
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -30,10 +30,18 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def headroom(pages: int) -> int:
+    """Pages to reserve for a store that must hold ``pages`` now: a quarter more, at least 64,
+    so that thousands of decode tokens fit before the store has to grow."""
+    return pages + max(64, pages // 4)
+
+
 class PageStore:
     """K and V pages of one layer of one sequence in CPU memory: ``[H_kv, P, S, D]`` each.
 
-    Grows by doubling; the NumPy views handed to the core are taken after any growth.
+    Grows by half again when full; the NumPy views handed to the core are taken after any
+    growth. Growing pinned memory stalls the step that does it (a fresh pinned allocation of
+    the whole store), so callers reserve headroom up front (:func:`headroom`).
     """
 
     def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype, pin: bool):
@@ -50,7 +58,7 @@ class PageStore:
         """Make room for at least ``pages`` pages per head, keeping the contents."""
         if pages <= self.pages:
             return
-        size = max(pages, 2 * self.pages)
+        size = max(pages, self.pages + self.pages // 2)
         for name in ("k", "v"):
             old = getattr(self, name)
             new = torch.empty(old.shape[0], size, *old.shape[2:], dtype=old.dtype, pin_memory=self.pin)
@@ -112,7 +120,7 @@ class PageIndex:
         k_np, v_np = numpy_view(k), numpy_view(v)
         if self.forest is None:
             self.forest = _core.HeadForest(k_np, **self.config.index_kwargs())
-            store.reserve(self.forest.max_pages())
+            store.reserve(headroom(self.forest.max_pages()))
             self.forest.write_pages(k_np, v_np, *store.views())
             self.changed = None
         else:
@@ -136,7 +144,7 @@ class PageIndex:
         """Bring a reusing layer's ``store`` up to date with this index's last :meth:`add`,
         from that layer's own keys in position order."""
         forest = self.forest
-        store.reserve(forest.max_pages())
+        store.reserve(headroom(forest.max_pages()) if self.changed is None else forest.max_pages())
         if self.changed is None:
             k_src = numpy_view(history.k[:, : history.n])
             v_src = numpy_view(history.v[:, : history.n])
