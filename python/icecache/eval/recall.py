@@ -92,6 +92,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from icecache._util import atomic_file
+
 __all__ = [
     "DEFAULT_BUDGETS",
     "METHODS",
@@ -307,19 +309,10 @@ def _capture_to(path: Path, model: Any, ids: Sequence[int], pos: np.ndarray) -> 
     k = np.stack([data[l][1] for l in layer_ids]).astype(np.float16)
     v = np.stack([data[l][2] for l in layer_ids]).astype(np.float16)
     del data
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        with open(part, "wb") as f:
-            np.savez(f, q=q, k=k, v=v, layers=layer_ids, positions=pos,
-                     tokens=np.asarray(ids, dtype=np.int32))
-        os.replace(part, path)  # atomic: a concurrent or interrupted capture leaves no half file
-    except BaseException:
-        try:
-            os.unlink(part)
-        except FileNotFoundError:
-            pass
-        raise
+    # A concurrent or interrupted capture leaves no half file.
+    with atomic_file(path) as part, open(part, "wb") as f:
+        np.savez(f, q=q, k=k, v=v, layers=layer_ids, positions=pos,
+                 tokens=np.asarray(ids, dtype=np.int32))
 
 
 # ----------------------------------------------------------------------------------- result

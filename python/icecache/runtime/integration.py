@@ -22,14 +22,14 @@ from typing import Any, Optional
 
 import torch
 
+from icecache._util import register_attention
+
 __all__ = ["ATTN_IMPLEMENTATION", "enable", "register"]
 
 #: Attention implementation name registered with transformers.
 ATTN_IMPLEMENTATION = "icecache"
 
 _slot = threading.local()
-_register_lock = threading.Lock()
-_registered = False
 
 
 def hand_off(layer: Any) -> None:
@@ -84,16 +84,7 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 def register() -> None:
     """Register the ``"icecache"`` attention and mask functions with transformers (once)."""
-    global _registered
-    with _register_lock:
-        if _registered:
-            return
-        from transformers import AttentionInterface, AttentionMaskInterface
-        from transformers.masking_utils import sdpa_mask
-
-        AttentionInterface.register(ATTN_IMPLEMENTATION, icecache_attention)
-        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-        _registered = True
+    register_attention(ATTN_IMPLEMENTATION, icecache_attention)
 
 
 def enable(model: Any) -> None:
