@@ -139,7 +139,7 @@ impl DciIndex {
     /// Fills `s.cand` with re-ranked candidates (exact rank scores) for one query.
     fn approx_candidates(&self, q: &[f32], k: usize, effort: f32, s: &mut Scratch) {
         let pool = (self.cfg.rerank as f32 * k as f32 * effort.max(1.0)).ceil() as usize;
-        self.first_pass(q, k, pool, effort, s);
+        self.first_pass(q, pool, effort, s);
         // Re-rank the best of the first pass exactly.
         keep_best(&mut s.cand, pool);
         for e in s.cand.iter_mut() {
@@ -169,7 +169,7 @@ impl DciIndex {
             }));
             return;
         }
-        self.first_pass(q, pool, pool, effort, s);
+        self.first_pass(q, pool, effort, s);
         // Codes are relative to `code_center`: add back its (constant) share of the score.
         let shift = simd::dot(q, &self.code_center);
         out.extend(s.cand.iter().map(|&p| {
@@ -180,8 +180,8 @@ impl DciIndex {
 
     /// Beam descent to the best leaf cells and an int8 pass over their members: fills
     /// `s.cand` with packed `(approximate rank, slot)`. The field of view covers at least `pool`
-    /// keys; `k` bounds P-DCI budgets from below.
-    fn first_pass(&self, q: &[f32], k: usize, pool: usize, effort: f32, s: &mut Scratch) {
+    /// keys.
+    fn first_pass(&self, q: &[f32], pool: usize, effort: f32, s: &mut Scratch) {
         let d = self.cfg.dim;
         let top = self.tiers.len() - 1;
         let leaves = &self.tiers[0];
