@@ -241,6 +241,13 @@ impl DciIndex {
         tier.route_extra[cell as usize] = (c.sum_extra / n) as f32;
     }
 
+    /// Routes of every cell of tier `t`, from their sums.
+    fn update_routes(&mut self, t: usize) {
+        for c in 0..self.tiers[t].cells.len() as u32 {
+            self.update_route(t, c);
+        }
+    }
+
     /// Codes and P-DCI arrays of every tier-0 cell, from scratch (after a build or a change of `c`).
     fn reindex_leaves(&mut self) {
         let d = self.cfg.dim;
@@ -474,9 +481,7 @@ impl DciIndex {
             for (&x, cs) in others.iter().zip(&near) {
                 self.cell_push(t, cs[0], x, false);
             }
-            for c in 0..self.tiers[t].cells.len() as u32 {
-                self.update_route(t, c);
-            }
+            self.update_routes(t);
             let this = &*self;
             let refined: Vec<u32> = others
                 .par_iter()
@@ -494,9 +499,7 @@ impl DciIndex {
             for (&x, &c) in others.iter().zip(&refined) {
                 self.cell_push(t, c, x, false);
             }
-            for c in 0..self.tiers[t].cells.len() as u32 {
-                self.update_route(t, c);
-            }
+            self.update_routes(t);
         }
         for (s, &l) in self.level.iter().enumerate() {
             debug_assert!(self.tiers[..=l as usize].iter().all(|t| t.member_cell[s] != NONE));

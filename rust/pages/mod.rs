@@ -374,15 +374,10 @@ impl HeadPages {
                 let mut tokens = self.pages[full as usize].clone();
                 let old_slot: HashMap<u32, usize> = tokens.iter().enumerate().map(|(i, &t)| (t, i)).collect();
                 tokens.push(pos);
-                let keys_of = |t: u32| -> Vec<f32> {
-                    if t == pos {
-                        key.to_vec()
-                    } else {
-                        // Keys of resident tokens come from the index (f32), not the store.
-                        self.index.key_of_id(t as i64).to_vec()
-                    }
-                };
-                let owned: HashMap<u32, Vec<f32>> = tokens.iter().map(|&t| (t, keys_of(t))).collect();
+                // The new token is in the index already. Copies, because the page maps are
+                // updated below while the keys are still read.
+                let owned: HashMap<u32, Vec<f32>> =
+                    tokens.iter().map(|&t| (t, self.index.key_of_id(t as i64).to_vec())).collect();
                 let key_ref = |t: u32| &owned[&t][..];
                 let mut groups = Vec::new();
                 let half = tokens.len().div_ceil(2);
