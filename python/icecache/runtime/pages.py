@@ -132,13 +132,23 @@ class PageIndex:
         self._update_lens()
 
     def _update_lens(self) -> None:
+        """Bring :attr:`lens` up to date: every page after a build, only the changed pages (and
+        new columns) after an insert, instead of recounting every token of every head."""
         forest = self.forest
-        lens = np.zeros((self.heads, forest.max_pages()), dtype=np.int32)
-        for head in range(self.heads):
-            pages, _ = forest.token_map(head)
-            counts = np.bincount(pages, minlength=forest.num_pages(head))
-            lens[head, : counts.shape[0]] = counts
-        self.lens = lens
+        width = forest.max_pages()
+        if self.changed is None:
+            lens = np.zeros((self.heads, width), dtype=np.int32)
+            for head in range(self.heads):
+                pages, _ = forest.token_map(head)
+                counts = np.bincount(pages, minlength=forest.num_pages(head))
+                lens[head, : counts.shape[0]] = counts
+            self.lens = lens
+            return
+        if width > self.lens.shape[1]:
+            self.lens = np.pad(self.lens, ((0, 0), (0, width - self.lens.shape[1])))
+        for head, pages in enumerate(self.changed):
+            for page in pages.tolist():
+                self.lens[head, page] = len(forest.page_tokens(head, page))
 
     def follow(self, history: History, store: PageStore) -> None:
         """Bring a reusing layer's ``store`` up to date with this index's last :meth:`add`,
