@@ -4,6 +4,7 @@
 use std::borrow::Cow;
 
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 use crate::error::{ensure, Result};
 
@@ -49,6 +50,17 @@ pub fn check_rows(data: &[f32], dim: usize, what: &str) -> Result<usize> {
         "{what}: {} values are not a whole number of rows of dim {dim}",
         data.len()
     );
+    // Common case in one pass (a NaN or infinity fails its row's norm test too), spread over
+    // the pool when large; the error path below finds the first offender.
+    let ok = |r: &[f32]| crate::simd::dot(r, r) <= MAX_SQ_NORM;
+    let all_ok = if data.len() >= 1 << 16 {
+        data.par_chunks_exact(dim).all(ok)
+    } else {
+        data.chunks_exact(dim).all(ok)
+    };
+    if all_ok {
+        return Ok(data.len() / dim);
+    }
     if let Some(i) = data.iter().position(|x| !x.is_finite()) {
         return Err(crate::Error::Invalid(format!(
             "{what}: row {} holds a NaN or infinite value",

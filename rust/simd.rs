@@ -45,26 +45,80 @@ pub fn sq_dist(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// Sum of 16 lanes as a tree: four dependent adds instead of fifteen.
+#[inline(always)]
+fn hsum16(a: [f32; 16]) -> f32 {
+    let mut b = [0f32; 8];
+    for i in 0..8 {
+        b[i] = a[i] + a[i + 8];
+    }
+    let c = [b[0] + b[4], b[1] + b[5], b[2] + b[6], b[3] + b[7]];
+    (c[0] + c[2]) + (c[1] + c[3])
+}
+
+/// Dot products of `q` with four rows at once: four independent FMA chains that share each
+/// load of `q`, where one row alone waits on the latency of a single chain.
+#[inline(always)]
+fn dot4(q: &[f32], r: [&[f32]; 4]) -> [f32; 4] {
+    let dim = q.len();
+    let (r0, r1, r2, r3) = (&r[0][..dim], &r[1][..dim], &r[2][..dim], &r[3][..dim]);
+    let (mut a0, mut a1, mut a2, mut a3) = ([0f32; 16], [0f32; 16], [0f32; 16], [0f32; 16]);
+    let full = dim - dim % 16;
+    let rows = r0.chunks_exact(16).zip(r1.chunks_exact(16)).zip(r2.chunks_exact(16)).zip(r3.chunks_exact(16));
+    for (x, (((y0, y1), y2), y3)) in q.chunks_exact(16).zip(rows) {
+        for i in 0..16 {
+            a0[i] = x[i].mul_add(y0[i], a0[i]);
+            a1[i] = x[i].mul_add(y1[i], a1[i]);
+            a2[i] = x[i].mul_add(y2[i], a2[i]);
+            a3[i] = x[i].mul_add(y3[i], a3[i]);
+        }
+    }
+    let mut out = [hsum16(a0), hsum16(a1), hsum16(a2), hsum16(a3)];
+    for j in full..dim {
+        for (o, row) in out.iter_mut().zip([r0, r1, r2, r3]) {
+            *o = q[j].mul_add(row[j], *o);
+        }
+    }
+    out
+}
+
 /// Dot products of one query with `n` consecutive rows of `dim` floats: `out[i] = q · rows[i]`.
-/// One call per block keeps the query in registers across rows.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn dot_rows(q: &[f32], rows: &[f32], out: &mut [f32]) {
     let dim = q.len();
-    for (o, r) in out.iter_mut().zip(rows.chunks_exact(dim)) {
-        let mut acc = [0f32; 16];
-        let cq = q.chunks_exact(16);
-        let cr = r.chunks_exact(16);
-        let (rq, rr) = (cq.remainder(), cr.remainder());
-        for (x, y) in cq.zip(cr) {
-            for i in 0..16 {
-                acc[i] = x[i].mul_add(y[i], acc[i]);
-            }
+    let mut quads = rows.chunks_exact(4 * dim);
+    let mut outs = out.chunks_exact_mut(4);
+    for (r, o) in (&mut quads).zip(&mut outs) {
+        let (a, b) = r.split_at(2 * dim);
+        o.copy_from_slice(&dot4(q, [&a[..dim], &a[dim..], &b[..dim], &b[dim..]]));
+    }
+    for (o, r) in outs.into_remainder().iter_mut().zip(quads.remainder().chunks_exact(dim)) {
+        *o = dot(q, r);
+    }
+}
+
+/// Dot products of one query with chosen rows: `out[i] = q · rows[idx[i]]` (rows of `q.len()`).
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn dot_gather(q: &[f32], rows: &[f32], idx: &[u32], out: &mut [f32]) {
+    let dim = q.len();
+    let row = |i: u32| &rows[i as usize * dim..(i as usize + 1) * dim];
+    let mut quads = idx.chunks_exact(4);
+    let mut outs = out.chunks_exact_mut(4);
+    for (ix, o) in (&mut quads).zip(&mut outs) {
+        o.copy_from_slice(&dot4(q, [row(ix[0]), row(ix[1]), row(ix[2]), row(ix[3])]));
+    }
+    for (o, &i) in outs.into_remainder().iter_mut().zip(quads.remainder()) {
+        *o = dot(q, row(i));
+    }
+}
+
+/// `out += Σ coef[i] · rows[i]` over `coef.len()` consecutive rows of `out.len()` floats.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn add_scaled_rows(coef: &[f32], rows: &[f32], out: &mut [f32]) {
+    for (&a, r) in coef.iter().zip(rows.chunks_exact(out.len())) {
+        for (o, x) in out.iter_mut().zip(r) {
+            *o = a.mul_add(*x, *o);
         }
-        let mut s: f32 = acc.iter().sum();
-        for (x, y) in rq.iter().zip(rr) {
-            s = x.mul_add(*y, s);
-        }
-        *o = s;
     }
 }
 
@@ -190,23 +244,46 @@ pub fn softmax_numerators(x: &mut [f32]) -> f32 {
 }
 
 /// Symmetric int8 quantisation of one vector: returns the scale `s` with `v ≈ s · code`.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn quantize_i8(v: &[f32], code: &mut [i8]) -> f32 {
-    quantize_i8_centred(v, None, code)
+    quantize_with::<false>(v, v, code)
 }
 
-/// Symmetric int8 quantisation of `v - centre` (or of `v` without a centre).
-pub fn quantize_i8_centred(v: &[f32], centre: Option<&[f32]>, code: &mut [i8]) -> f32 {
-    let at = |i: usize| v[i] - centre.map_or(0.0, |c| c[i]);
-    let maxabs = (0..v.len()).fold(0f32, |m, i| m.max(at(i).abs()));
+/// Symmetric int8 quantisation of `v - centre`.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn quantize_i8_centred(v: &[f32], centre: &[f32], code: &mut [i8]) -> f32 {
+    quantize_with::<true>(v, centre, code)
+}
+
+/// Quantises `v - centre` (`v` alone unless `CENTRED`): one pass for the largest magnitude,
+/// lane-wise so that it vectorises, and one for the codes.
+#[inline(always)]
+fn quantize_with<const CENTRED: bool>(v: &[f32], centre: &[f32], code: &mut [i8]) -> f32 {
+    let (centre, code) = (&centre[..v.len()], &mut code[..v.len()]);
+    let diff = |x: f32, c: f32| if CENTRED { x - c } else { x };
+    let mut lanes = [0f32; 16];
+    let (vc, cc) = (v.chunks_exact(16), centre.chunks_exact(16));
+    // A compare-and-select maximum: `f32::max`'s NaN rules keep LLVM from vectorising it.
+    let max = |m: f32, x: f32| if x > m { x } else { m };
+    let tail = vc.remainder().iter().zip(cc.remainder()).fold(0f32, |m, (&x, &c)| max(m, diff(x, c).abs()));
+    for (x, c) in vc.zip(cc) {
+        for i in 0..16 {
+            lanes[i] = max(lanes[i], diff(x[i], c[i]).abs());
+        }
+    }
+    let maxabs = lanes.iter().fold(tail, |m, &x| max(m, x));
     if maxabs == 0.0 {
         code.fill(0);
         return 0.0;
     }
     let inv = 127.0 / maxabs;
-    for (i, c) in code.iter_mut().enumerate() {
-        // Round half away from zero by hand: `f32::round` is a libm call on baseline x86-64.
-        let y = at(i) * inv;
-        *c = ((y + 0.5f32.copysign(y)) as i32).clamp(-127, 127) as i8;
+    for i in 0..v.len() {
+        // Round half away from zero by hand (`f32::round` is a libm call on baseline x86-64).
+        // |r| <= 127, so adding 1.5 · 2^23 leaves r in the low bits, two's complement: a float
+        // to int conversion that vectorises, where `as` (saturating) does not.
+        let y = diff(v[i], centre[i]) * inv;
+        let r = (y + 0.5f32.copysign(y)).trunc();
+        code[i] = (r + 12_582_912.0).to_bits() as u8 as i8;
     }
     maxabs / 127.0
 }
@@ -244,6 +321,19 @@ mod tests {
             assert!((out[0] - naive).abs() < 1e-4);
             sq_dist_rows(&a, &rows, &mut out);
             assert!((out[0] - naive_d).abs() < 1e-4 && out[1].abs() < 1e-6);
+            // Blocks of four rows and a remainder, contiguous and gathered.
+            let many: Vec<f32> = (0..9 * dim).map(|i| (i as f32 * 0.23).sin()).collect();
+            let want: Vec<f32> = many.chunks_exact(dim).map(|r| r.iter().zip(&a).map(|(x, y)| x * y).sum()).collect();
+            let mut got = [0f32; 9];
+            dot_rows(&a, &many, &mut got);
+            assert!(got.iter().zip(&want).all(|(g, w)| (g - w).abs() < 1e-4), "{got:?} vs {want:?}");
+            let idx = [8u32, 0, 3, 3, 7, 1, 2];
+            let mut got = [0f32; 7];
+            dot_gather(&a, &many, &idx, &mut got);
+            assert!(got.iter().zip(&idx).all(|(g, &i)| (g - want[i as usize]).abs() < 1e-4));
+            let mut acc = b.clone();
+            add_scaled_rows(&[2.0, -1.0], &rows, &mut acc);
+            assert!(acc.iter().zip(a.iter().zip(&b)).all(|(g, (x, y))| (g - (3.0 * y - x)).abs() < 1e-5));
             let mut qa = vec![0i8; dim];
             let mut qb = vec![0i8; dim];
             let sa = quantize_i8(&a, &mut qa);
@@ -255,6 +345,18 @@ mod tests {
             dot_rows_i8_portable(&qa, &qb, &mut oi);
             assert_eq!(oi[0], naive_i);
             assert!((oi[0] as f32 * sa * sb - naive).abs() < 0.02 * dim as f32);
+            // Codes round half away from zero, centred or not.
+            let mut code = vec![0i8; dim];
+            let v: Vec<f32> = (0..dim).map(|i| [127.0, -127.0, 0.5, -0.5, 1.49, -2.5, 0.0][i % 7]).collect();
+            let want: Vec<i8> = (0..dim).map(|i| [127, -127, 1, -1, 1, -3, 0][i % 7]).collect();
+            if dim >= 2 {
+                assert_eq!(quantize_i8(&v, &mut code), 1.0);
+                assert_eq!(code, want);
+                let centre = vec![1.0f32; dim];
+                let shifted: Vec<f32> = v.iter().map(|x| x + 1.0).collect();
+                assert_eq!(quantize_i8_centred(&shifted, &centre, &mut code), 1.0);
+                assert_eq!(code, want);
+            }
             // Extremes: -127 and 127 everywhere.
             let lo = vec![-127i8; dim];
             let hi = vec![127i8; dim];

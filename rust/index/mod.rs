@@ -397,6 +397,15 @@ impl DciIndex {
 
     // ---- views for the page layer ----
 
+    /// Bulk build of an empty inner-product index under ids `0..n`, for keys the caller has
+    /// validated already (`check_rows`): the checks of `add` would only repeat its work.
+    pub(crate) fn build_positions(&mut self, keys: &[f32]) {
+        debug_assert!(self.len == 0 && self.cfg.metric == Metric::InnerProduct && !keys.is_empty());
+        let ids: Vec<i64> = (0..(keys.len() / self.cfg.dim) as i64).collect();
+        self.build(keys, &ids);
+        self.next_id = ids.len() as i64;
+    }
+
     /// Live leaf (tier-0) cells: `(cell id, member slots)`.
     pub(crate) fn leaf_cells(&self) -> impl Iterator<Item = (u32, &[u32])> + '_ {
         self.tiers.first().into_iter().flat_map(|t| {
@@ -423,7 +432,7 @@ impl DciIndex {
 
     /// int8 code of a slot's key (relative to `code_center`) into `code`; returns its scale.
     fn code_of(&self, slot: u32, code: &mut [i8]) -> f32 {
-        crate::simd::quantize_i8_centred(self.key(slot), Some(&self.code_center), code)
+        crate::simd::quantize_i8_centred(self.key(slot), &self.code_center, code)
     }
 
     fn key(&self, slot: u32) -> &[f32] {

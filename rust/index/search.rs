@@ -33,13 +33,13 @@ pub struct Scratch {
 
 /// Packs a rank score (larger is better) and a slot into one integer that orders best first
 /// under `>` (ties: lower slot first), so selection runs on plain integers.
-fn pack(score: f32, slot: u32) -> u64 {
+pub(super) fn pack(score: f32, slot: u32) -> u64 {
     let b = score.to_bits();
     let ordered = if b >> 31 == 1 { !b } else { b | 1 << 31 };
     (ordered as u64) << 32 | (!slot) as u64
 }
 
-fn unpack(p: u64) -> (f32, u32) {
+pub(super) fn unpack(p: u64) -> (f32, u32) {
     let ordered = (p >> 32) as u32;
     let b = if ordered >> 31 == 1 { ordered & !(1 << 31) } else { !ordered };
     (f32::from_bits(b), !(p as u32))
@@ -98,12 +98,14 @@ impl DciIndex {
         }
     }
 
-    fn route_score(&self, t: usize, cell: u32, q: &[f32]) -> f32 {
+    /// Rank scores of the routes of tier-`t` `cells` for query `q`, into `out`.
+    fn route_scores(&self, t: usize, cells: &[u32], q: &[f32], out: &mut [f32]) {
         let tier = &self.tiers[t];
-        let dot = simd::dot(q, tier.route(cell, self.cfg.dim));
-        match self.cfg.metric {
-            Metric::InnerProduct => dot,
-            Metric::L2 => 2.0 * dot - tier.route_sq[cell as usize],
+        simd::dot_gather(q, &tier.routes, cells, out);
+        if self.cfg.metric == Metric::L2 {
+            for (o, &c) in out.iter_mut().zip(cells) {
+                *o = 2.0 * *o - tier.route_sq[c as usize];
+            }
         }
     }
 
@@ -201,7 +203,7 @@ impl DciIndex {
             need = cover / (tier.num_members as f32 / tier.live_cells() as f32);
         }
         let covers = &s.covers;
-        self.descend(0, |t| covers[t], |t, c| self.route_score(t, c, q), &mut s.descent);
+        self.descend(0, |t| covers[t], |t, cells, out| self.route_scores(t, cells, q, out), &mut s.descent);
         let cells = &mut s.descent.cand;
         if cells.len() > fov {
             cells.select_nth_unstable_by(fov - 1, |a, b| b.0.total_cmp(&a.0));

@@ -3,6 +3,7 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::search::{pack, unpack};
 use super::{DciIndex, Metric, C_HEADROOM, FREE};
 use crate::simd;
 
@@ -102,6 +103,9 @@ impl Tier {
 #[derive(Default)]
 pub(super) struct Descent {
     chosen: Vec<u32>,
+    /// The cells of the tier being scored, and their scores.
+    cells: Vec<u32>,
+    scores: Vec<f32>,
     /// The scored cells of the target tier after a descent.
     pub cand: Vec<(f32, u32)>,
 }
@@ -261,12 +265,14 @@ impl DciIndex {
             for (code, &m) in c.codes.chunks_exact_mut(d).zip(&c.members) {
                 c.scales.push(this.code_of(m, code));
             }
+            let mut packed = Vec::with_capacity(c.members.len());
             c.sorted = (0..nd)
                 .map(|j| {
-                    let mut arr: Vec<(f32, u32)> =
-                        c.members.iter().map(|&m| (this.key_proj(m, j), m)).collect();
-                    arr.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
-                    arr
+                    // Sorting plain integers is several times faster than float pairs.
+                    packed.clear();
+                    packed.extend(c.members.iter().map(|&m| pack(this.key_proj(m, j), m)));
+                    packed.sort_unstable();
+                    packed.iter().map(|&p| unpack(p)).collect()
                 })
                 .collect();
         });
@@ -301,24 +307,31 @@ impl DciIndex {
 
     /// Squared transformed distance between point `slot` and the route of a tier-`t` cell.
     pub(super) fn route_dist(&self, t: usize, cell: u32, slot: u32) -> f32 {
-        self.route_dist_to(slot)(t, cell)
+        let mut out = [0f32];
+        self.route_nearness(slot)(t, &[cell], &mut out);
+        -out[0]
     }
 
-    /// `route_dist` for one point against many cells, with the point's terms computed once.
-    fn route_dist_to(&self, slot: u32) -> impl Fn(usize, u32) -> f32 + '_ {
+    /// Scores of tier-`t` cells for point `slot`: `out[i]` = minus the squared transformed
+    /// distance to the route of `cells[i]` (larger is nearer). The point's terms are computed
+    /// once; the dot products run in blocks.
+    fn route_nearness(&self, slot: u32) -> impl Fn(usize, &[u32], &mut [f32]) + '_ {
         let key = self.key(slot);
         let sq = self.sq_norms[slot as usize];
         let extra = self.extra(slot);
         let inv_c2 = if self.c > 0.0 { 1.0 / (self.c * self.c) } else { 0.0 };
-        move |t, cell| {
+        move |t, cells, out| {
             let tier = &self.tiers[t];
-            let base = sq - 2.0 * simd::dot(key, tier.route(cell, self.cfg.dim)) + tier.route_sq[cell as usize];
-            match self.cfg.metric {
-                Metric::L2 => base,
-                Metric::InnerProduct => {
-                    let e = extra - tier.route_extra[cell as usize];
-                    base * inv_c2 + e * e
-                }
+            simd::dot_gather(key, &tier.routes, cells, out);
+            for (o, &c) in out.iter_mut().zip(cells) {
+                let base = sq - 2.0 * *o + tier.route_sq[c as usize];
+                *o = -match self.cfg.metric {
+                    Metric::L2 => base,
+                    Metric::InnerProduct => {
+                        let e = extra - tier.route_extra[c as usize];
+                        base * inv_c2 + e * e
+                    }
+                };
             }
         }
     }
@@ -339,34 +352,37 @@ impl DciIndex {
 
     /// Scores the tier-`target` cells reachable from the root, top-down: at each tier above the
     /// target, cells are taken in score order until their members number `cover(tier)`; the
-    /// cells those members own one tier down are scored next. Leaves the scored target-tier
-    /// cells, unordered, in `buf.cand`.
+    /// cells those members own one tier down are scored next. `score(tier, cells, out)` writes
+    /// the scores of `cells` to `out`. Leaves the scored target-tier cells, unordered, in
+    /// `buf.cand`.
     pub(super) fn descend(
         &self,
         target: usize,
         cover: impl Fn(usize) -> usize,
-        score: impl Fn(usize, u32) -> f32,
+        score: impl Fn(usize, &[u32], &mut [f32]),
         buf: &mut Descent,
     ) {
         buf.cand.clear();
         let top = self.tiers.len() - 1;
         if target == top {
-            buf.cand.push((score(top, self.root), self.root));
+            let mut out = [0f32];
+            score(top, &[self.root], &mut out);
+            buf.cand.push((out[0], self.root));
             return;
         }
         buf.chosen.clear();
         buf.chosen.push(self.root);
         for t in (target + 1..=top).rev() {
-            buf.cand.clear();
             let below = &self.tiers[t - 1];
+            buf.cells.clear();
             for &c in &buf.chosen {
-                for &m in &self.tiers[t].cells[c as usize].members {
-                    let oc = below.owned_cell[m as usize];
-                    if oc != NONE {
-                        buf.cand.push((score(t - 1, oc), oc));
-                    }
-                }
+                let members = &self.tiers[t].cells[c as usize].members;
+                buf.cells.extend(members.iter().map(|&m| below.owned_cell[m as usize]).filter(|&oc| oc != NONE));
             }
+            buf.scores.resize(buf.cells.len(), 0.0);
+            score(t - 1, &buf.cells, &mut buf.scores);
+            buf.cand.clear();
+            buf.cand.extend(buf.scores.iter().copied().zip(buf.cells.iter().copied()));
             if t - 1 == target {
                 return;
             }
@@ -397,22 +413,29 @@ impl DciIndex {
     }
 
     /// The `want` tier-`t` cells whose routes are nearest to point `slot`, nearest first.
-    fn near_cells(&self, t: usize, slot: u32, want: usize, cover: usize, buf: &mut Descent) -> Vec<(f32, u32)> {
-        let dist = self.route_dist_to(slot);
-        self.descend(t, |_| cover, |tt, c| -dist(tt, c), buf);
+    fn near_cells<'b>(&self, t: usize, slot: u32, want: usize, cover: usize, buf: &'b mut Descent) -> &'b [(f32, u32)] {
+        self.descend(t, |_| cover, self.route_nearness(slot), buf);
+        // `want` is tiny: one insertion pass keeps the best in order, cheaper than a selection.
         let cand = &mut buf.cand;
-        let by_score = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0);
-        if want < cand.len() {
-            cand.select_nth_unstable_by(want, by_score);
-            cand.truncate(want);
+        let keep = want.min(cand.len());
+        cand[..keep].sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
+        for i in keep..cand.len() {
+            let x = cand[i];
+            let mut j = keep;
+            while j > 0 && x.0 > cand[j - 1].0 {
+                j -= 1;
+            }
+            if j < keep {
+                cand.copy_within(j..keep - 1, j + 1);
+                cand[j] = x;
+            }
         }
-        cand.sort_unstable_by(by_score);
-        cand.clone()
+        cand.truncate(keep);
+        cand
     }
 
     fn nearest_cell(&self, t: usize, slot: u32, cover: usize, buf: &mut Descent) -> u32 {
-        let dist = self.route_dist_to(slot);
-        self.descend(t, |_| cover, |tt, c| -dist(tt, c), buf);
+        self.descend(t, |_| cover, self.route_nearness(slot), buf);
         buf.cand.iter().max_by(|a, b| a.0.total_cmp(&b.0)).map(|x| x.1).unwrap_or(NONE)
     }
 
@@ -428,11 +451,10 @@ impl DciIndex {
         self.keys = Vec::with_capacity((n + spare) * d);
         self.keys.extend_from_slice(keys);
         self.sq_norms = keys.par_chunks_exact(d).map(|k| simd::dot(k, k)).collect();
-        let dirs = &self.dirs;
-        self.proj = keys
-            .par_chunks_exact(d)
-            .flat_map_iter(|k| (0..nd).map(move |j| simd::dot(k, &dirs[j * (d + 1)..j * (d + 1) + d])))
-            .collect();
+        // The directions without their extra component, contiguous, for blocked dot products.
+        let dirs: Vec<f32> = self.dirs.chunks_exact(d + 1).flat_map(|u| &u[..d]).copied().collect();
+        self.proj = vec![0f32; n * nd];
+        self.proj.par_chunks_mut(nd).zip(keys.par_chunks_exact(d)).for_each(|(p, k)| simd::dot_rows(k, &dirs, p));
         self.code_center = super::mean_row(keys, d);
         self.ids = ids.to_vec();
         self.id_map = ids.iter().enumerate().map(|(s, &id)| (id, s as u32)).collect();
@@ -472,7 +494,7 @@ impl DciIndex {
                 .par_iter()
                 .map_init(Descent::default, |buf, &x| {
                     let mut best = [NONE; REFINE_CHOICES];
-                    for (b, (_, c)) in best.iter_mut().zip(this.near_cells(t, x, REFINE_CHOICES, BUILD_COVER, buf)) {
+                    for (b, &(_, c)) in best.iter_mut().zip(this.near_cells(t, x, REFINE_CHOICES, BUILD_COVER, buf)) {
                         *b = c;
                     }
                     best
@@ -487,12 +509,12 @@ impl DciIndex {
                 .par_iter()
                 .zip(&near)
                 .map(|(&x, cs)| {
-                    let dist = this.route_dist_to(x);
-                    cs.iter()
-                        .copied()
-                        .filter(|&c| c != NONE)
-                        .min_by(|&a, &b| dist(t, a).total_cmp(&dist(t, b)))
-                        .unwrap()
+                    let cs = &cs[..cs.iter().position(|&c| c == NONE).unwrap_or(REFINE_CHOICES)];
+                    let mut score = [0f32; REFINE_CHOICES];
+                    this.route_nearness(x)(t, cs, &mut score[..cs.len()]);
+                    // The first of the nearest, as the round before ranked them.
+                    let best = (1..cs.len()).fold(0, |b, i| if score[i] > score[b] { i } else { b });
+                    cs[best]
                 })
                 .collect();
             self.reset_tier_to_owners(t);
@@ -584,10 +606,13 @@ impl DciIndex {
     /// Gives `x` its own tier-`t` cell and moves into it the members of nearby cells that are
     /// closer to `x` than to their current route.
     fn open_cell(&mut self, t: usize, x: u32, buf: &mut Descent) {
-        let near = self.near_cells(t, x, STEAL_CELLS, INSERT_COVER, buf);
+        let mut near = [NONE; STEAL_CELLS];
+        for (n, &(_, c)) in near.iter_mut().zip(self.near_cells(t, x, STEAL_CELLS, INSERT_COVER, buf)) {
+            *n = c;
+        }
         let own = self.new_cell(t, x);
         self.cell_add(t, own, x);
-        for (_, other) in near {
+        for other in near.into_iter().filter(|&c| c != NONE) {
             let owner = self.tiers[t].cells[other as usize].owner;
             let movers: Vec<u32> = self.tiers[t].cells[other as usize]
                 .members

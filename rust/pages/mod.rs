@@ -281,8 +281,7 @@ impl HeadPages {
         let d = cfg.dim;
         let n = keys.len() / d;
         let mut index = DciIndex::new(cfg)?;
-        let ids: Vec<i64> = (0..n as i64).collect();
-        index.add(KeyData::F32(keys), Some(&ids))?;
+        index.build_positions(keys);
         let key = |t: u32| &keys[t as usize * d..(t as usize + 1) * d];
         let mut hp = HeadPages {
             pages: Vec::new(),
@@ -291,16 +290,19 @@ impl HeadPages {
             cell_pages: HashMap::new(),
             index,
         };
-        let cells: Vec<(u32, Vec<u32>)> = hp
-            .index
-            .leaf_cells()
-            .map(|(c, members)| (c, members.iter().map(|&m| hp.index.slot_id(m) as u32).collect()))
+        let cells: Vec<(u32, &[u32])> = hp.index.leaf_cells().collect();
+        let split: Vec<(u32, Vec<Vec<u32>>)> = cells
+            .par_iter()
+            .map(|&(cell, members)| {
+                let mut tokens: Vec<u32> = members.iter().map(|&m| hp.index.slot_id(m) as u32).collect();
+                let mut groups = Vec::new();
+                split_pages(&mut tokens, &key, d, page_size, &mut groups);
+                (cell, groups)
+            })
             .collect();
-        let mut groups = Vec::new();
-        for (cell, mut tokens) in cells {
-            groups.clear();
-            split_pages(&mut tokens, &key, d, page_size, &mut groups);
-            for g in groups.drain(..) {
+        drop(cells);
+        for (cell, groups) in split {
+            for g in groups {
                 hp.add_page(cell, g, &key);
             }
         }

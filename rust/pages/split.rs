@@ -20,8 +20,10 @@ pub(crate) fn split_pages<'k>(
     }
     let pages = items.len().div_ceil(max);
     let left = max * (pages / 2);
-    let axis = principal_axis(items, key, dim);
-    let mut proj: Vec<(f32, u32)> = items.iter().map(|&t| (simd::dot(key(t), &axis), t)).collect();
+    let (axis, rows) = principal_axis(items, key, dim);
+    let mut dots = vec![0f32; items.len()];
+    simd::dot_rows(&axis, &rows, &mut dots);
+    let mut proj: Vec<(f32, u32)> = dots.into_iter().zip(items.iter().copied()).collect();
     proj.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
     for (slot, (_, t)) in items.iter_mut().zip(proj) {
         *slot = t;
@@ -32,38 +34,40 @@ pub(crate) fn split_pages<'k>(
 }
 
 /// Top principal direction of the items' keys (a few power-iteration steps from the direction
-/// of the item farthest from the mean: deterministic, and close after a handful of steps).
-fn principal_axis<'k>(items: &[u32], key: &impl Fn(u32) -> &'k [f32], dim: usize) -> Vec<f32> {
+/// of the item farthest from the mean: deterministic, and close after a handful of steps), and
+/// the centred keys (`[n, dim]`, in item order).
+fn principal_axis<'k>(items: &[u32], key: &impl Fn(u32) -> &'k [f32], dim: usize) -> (Vec<f32>, Vec<f32>) {
     let n = items.len();
     let mut mean = vec![0f32; dim];
     for &t in items {
-        mean.iter_mut().zip(key(t)).for_each(|(m, x)| *m += x / n as f32);
+        mean.iter_mut().zip(key(t)).for_each(|(m, x)| *m += x);
     }
-    // Centred rows, contiguous, so each iteration is two passes of SIMD dots.
+    mean.iter_mut().for_each(|m| *m /= n as f32);
+    // Centred rows, contiguous, so each iteration is two SIMD passes over them.
     let mut rows = Vec::with_capacity(n * dim);
     for &t in items {
         rows.extend(key(t).iter().zip(&mean).map(|(x, m)| x - m));
     }
     let far = rows
         .chunks_exact(dim)
+        .map(|r| simd::dot(r, r))
         .enumerate()
-        .max_by(|a, b| simd::dot(a.1, a.1).total_cmp(&simd::dot(b.1, b.1)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
         .map_or(0, |(i, _)| i);
     let mut v = rows[far * dim..(far + 1) * dim].to_vec();
     let mut next = vec![0f32; dim];
+    let mut dots = vec![0f32; n];
     for _ in 0..4 {
+        simd::dot_rows(&v, &rows, &mut dots);
         next.fill(0.0);
-        for r in rows.chunks_exact(dim) {
-            let dot = simd::dot(r, &v);
-            next.iter_mut().zip(r).for_each(|(a, x)| *a += dot * x);
-        }
+        simd::add_scaled_rows(&dots, &rows, &mut next);
         let norm = simd::dot(&next, &next).sqrt();
         if norm <= f32::MIN_POSITIVE {
             break;
         }
         v.iter_mut().zip(&next).for_each(|(a, b)| *a = b / norm);
     }
-    v
+    (v, rows)
 }
 
 #[cfg(test)]
