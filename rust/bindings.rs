@@ -679,6 +679,35 @@ fn gather_pages(
     })
 }
 
+/// Token lists of attention over a layer's device buffer folded to one-token pages.
+/// See ``icecache/_core.pyi``.
+#[pyfunction]
+#[pyo3(signature = (table, page_len, sink_len, win_len, *, pool_slots, page_size, sink_cap, win_cap))]
+#[allow(clippy::too_many_arguments)]
+fn fold_token_lists<'py>(
+    py: Python<'py>,
+    table: &Bound<'py, PyAny>,
+    page_len: &Bound<'py, PyAny>,
+    sink_len: &Bound<'py, PyAny>,
+    win_len: &Bound<'py, PyAny>,
+    pool_slots: usize,
+    page_size: usize,
+    sink_cap: usize,
+    win_cap: usize,
+) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+    let (t, tshape) = int_array::<i32>(table, "table")?;
+    let (l, lshape) = int_array::<i32>(page_len, "page_len")?;
+    let (s, sshape) = int_array::<i32>(sink_len, "sink_len")?;
+    let (w, wshape) = int_array::<i32>(win_len, "win_len")?;
+    check_shape("table", &tshape, &[None, None, None])?;
+    check_shape("page_len", &lshape, &[Some(tshape[0]), Some(tshape[1]), Some(tshape[2])])?;
+    check_shape("sink_len", &sshape, &[Some(tshape[0])])?;
+    check_shape("win_len", &wshape, &[Some(tshape[0])])?;
+    let layout = crate::load::DeviceLayout { pool_slots, page_size, sink_cap, win_cap };
+    let (indptr, indices) = crate::load::fold_token_lists(&t, &l, &s, &w, tshape[1], layout).map_err(to_py)?;
+    Ok((indptr.into_pyarray(py), indices.into_pyarray(py)))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -687,5 +716,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHeadForest>()?;
     m.add_class::<PyResidentPages>()?;
     m.add_function(wrap_pyfunction!(gather_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(fold_token_lists, m)?)?;
     Ok(())
 }

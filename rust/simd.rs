@@ -228,7 +228,7 @@ pub fn softmax_numerators(x: &mut [f32]) -> f32 {
         let i = (t + 0.5).floor();
         let f = t - i;
         let p = 1.0
-            + f * (0.693_147_2
+            + f * (std::f32::consts::LN_2
                 + f * (0.240_226_5 + f * (0.055_504_11 + f * (0.009_618_129 + f * 0.001_333_355_8))));
         *v = p * f32::from_bits(((i as i32 + 127) as u32) << 23);
     }

@@ -79,6 +79,21 @@ def test_token_lists_name_exactly_the_valid_tokens():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a["table"].__setitem__((0, 0, 0), 99), "pool slot 99"),
+    (lambda a: a["page_len"].__setitem__((0, 0, 0), 17), "page length 17"),
+    (lambda a: a["sink_len"].__setitem__(0, -1), "sink_len -1"),
+    (lambda a: a.__setitem__("win_len", a["win_len"][:1]), "win_len"),
+    (lambda a: a.__setitem__("page_len", a["page_len"][:, :1]), "page_len"),
+])
+def test_token_lists_reject_bad_input(change, match):
+    _, _, _, table, page_len, sink_len, win_len, _, layout = _layout(D=16)
+    arrays = dict(table=table, page_len=page_len, sink_len=sink_len, win_len=win_len)
+    change(arrays)
+    with pytest.raises(ValueError, match=match):
+        fi.token_lists(arrays["table"], arrays["page_len"], arrays["sink_len"], arrays["win_len"], *layout)
+
+
 @needs_flashinfer
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flashinfer_matches_torch_reference(dtype):

@@ -175,3 +175,35 @@ def gather_pages(
 ) -> None:
     """Copies page ``pages[i]`` of head ``heads[i]`` from the stores (``[H_kv, P, S, d]``) into row
     ``i`` of the staging buffers (``[R, S, d]``, same dtype, ``R >= len(pages)``), in parallel."""
+
+
+def fold_token_lists(
+    table: npt.ArrayLike,
+    page_len: npt.ArrayLike,
+    sink_len: npt.ArrayLike,
+    win_len: npt.ArrayLike,
+    *,
+    pool_slots: int,
+    page_size: int,
+    sink_cap: int,
+    win_cap: int,
+) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """Token lists of decode attention over a layer's device buffer folded to one-token pages.
+
+    The buffer holds, per (sequence ``b``, KV head ``h``), ``T = pool_slots * page_size +
+    sink_cap + win_cap`` token slots: the page pool, then the sink, then the window. Request
+    ``r = b * H + h`` reads the ``sink_len[b]`` sink tokens, the first ``page_len[b, h, j]``
+    tokens of each selected page (pool slot ``table[b, h, j]``, ``-1`` for none), then the
+    ``win_len[b]`` window tokens; token ``t`` of request ``r`` is folded index ``r * T + t``.
+
+    Args:
+        table, page_len: ``[B, H, M]`` integers.
+        sink_len, win_len: ``[B]`` integers.
+
+    Returns:
+        ``(indptr [B*H + 1], indices [indptr[-1]])``, int32.
+
+    Raises:
+        ValueError: mismatched shapes, a slot outside ``-1..pool_slots``, a length outside
+            ``0..=page_size`` (``sink_cap``, ``win_cap``), or more than 2**31 token slots.
+    """

@@ -41,6 +41,8 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from icecache import _core
+
 __all__ = ["available", "supports", "token_lists", "FlashInferDecode"]
 
 _HEAD_DIMS = (64, 128, 256)
@@ -80,30 +82,12 @@ def token_lists(table: np.ndarray, page_len: np.ndarray, sink_len: np.ndarray, w
     Returns:
         ``(indptr [B*H + 1], indices [indptr[-1]])``, int32: request ``b*H + h`` attends to the
         folded tokens ``indices[indptr[r]:indptr[r+1]]``.
+
+    Raises:
+        ValueError: shapes that do not match, or a slot or length outside the layout.
     """
-    B, H, M = table.shape
-    pool_tokens = pool_slots * page_size
-    T = pool_tokens + sink_cap + win_cap
-    s = np.arange(page_size, dtype=np.int64)
-    paged = table[..., None].astype(np.int64) * page_size + s  # [B, H, M, S]
-    paged_ok = (s < page_len[..., None]) & (table[..., None] >= 0)
-    sink = pool_tokens + np.arange(sink_cap, dtype=np.int64)
-    win = pool_tokens + sink_cap + np.arange(win_cap, dtype=np.int64)
-    local = np.concatenate([
-        np.broadcast_to(sink, (B, H, sink_cap)),
-        paged.reshape(B, H, M * page_size),
-        np.broadcast_to(win, (B, H, win_cap)),
-    ], axis=2)
-    ok = np.concatenate([
-        np.broadcast_to((np.arange(sink_cap) < np.asarray(sink_len)[:, None])[:, None], (B, H, sink_cap)),
-        paged_ok.reshape(B, H, M * page_size),
-        np.broadcast_to((np.arange(win_cap) < np.asarray(win_len)[:, None])[:, None], (B, H, win_cap)),
-    ], axis=2)
-    base = (np.arange(B * H, dtype=np.int64) * T).reshape(B, H, 1)
-    indices = (local + base)[ok].astype(np.int32)
-    indptr = np.zeros(B * H + 1, dtype=np.int32)
-    np.cumsum(ok.reshape(B * H, -1).sum(axis=1), out=indptr[1:])
-    return indptr, indices
+    return _core.fold_token_lists(table, page_len, sink_len, win_len, pool_slots=pool_slots,
+                                  page_size=page_size, sink_cap=sink_cap, win_cap=win_cap)
 
 
 class FlashInferDecode:
