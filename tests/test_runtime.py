@@ -8,6 +8,7 @@ be neither found in the cache nor fetched from PyPI). Everything runs on the CPU
 
 import copy
 import inspect
+import threading
 import time
 import warnings
 
@@ -37,6 +38,7 @@ import icecache  # noqa: E402
 from icecache.attend import attention_recall, sparse_decode_attention  # noqa: E402
 from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 from icecache.runtime.layer import IceLayer  # noqa: E402
+from icecache.runtime.pages import PageIndex  # noqa: E402
 
 VOCAB = 128
 _TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
@@ -124,6 +126,10 @@ def check_pools(cache):
                     n = index.lens[h, page]
                     assert torch.equal(layer.pool_k[b, h, slot, :n].cpu(), layer.stores[b].k[h, page, :n])
                     assert torch.equal(layer.pool_v[b, h, slot, :n].cpu(), layer.stores[b].v[h, page, :n])
+                    if layer.leader is not None:  # a reusing layer's store: its own keys, the leader's layout
+                        tokens = torch.from_numpy(index.forest.page_tokens(h, page).astype(np.int64))
+                        assert torch.equal(layer.stores[b].k[h, page, :n], layer.histories[b].k[h, tokens])
+                        assert torch.equal(layer.stores[b].v[h, page, :n], layer.histories[b].v[h, tokens])
                     checked += 1
     return checked
 
@@ -155,7 +161,7 @@ def test_bad_config_fails_when_made(kwargs, match):
 def test_config_defaults_and_derived_sizes():
     cfg = IceCacheConfig()
     assert (cfg.budget, cfg.page_size, cfg.sink, cfg.window, cfg.full_layers, cfg.reuse) == (256, 16, 16, 32, 2, 1)
-    assert cfg.retrieved_pages == 13 and cfg.device_pages == 26
+    assert cfg.retrieved_pages == 13 and cfg.device_pages == 16
     assert IceCacheConfig(budget=64).retrieved_pages == 1
     assert icecache.IceCacheConfig is IceCacheConfig and icecache.IceCache is IceCache
 
@@ -311,6 +317,51 @@ def test_long_generation_inserts_evicts_and_reloads(reuse):
         forest = layer.indexes[0].forest
         assert len(forest) == 400 - 48 + 96 // 16 * 16
     assert 0 < stats.recall <= 1
+
+
+def test_prefill_indexes_on_the_worker_while_the_forward_returns(monkeypatch):
+    """The prompt forward returns before any layer is indexed (the worker is held until then);
+    the first decode step waits for the index, and its output is the same as without the hold."""
+    model = tiny_model("llama")
+    ids = prompt_ids(300, seed=6)
+    reference = run_steps(model, ids, IceCache(IceCacheConfig(budget=96, full_layers=1), model), 3)
+
+    released, seen = threading.Event(), []
+    add = PageIndex.add
+
+    def held_add(self, *args):
+        seen.append(released.wait(timeout=60))
+        return add(self, *args)
+
+    monkeypatch.setattr(PageIndex, "add", held_add)
+    cache = IceCache(IceCacheConfig(budget=96, full_layers=1), model)
+    with torch.inference_mode():
+        model(ids, **{CACHE_KW: cache})
+    assert seen == []  # nothing indexed yet: the forward did not wait for the index
+    released.set()
+    cache.reset()
+    got = run_steps(model, ids, cache, 3)
+    assert len(seen) >= 2 * len(ice_layers(cache)) and all(seen)  # two prompts, then inserts
+    torch.testing.assert_close(got, reference, rtol=0, atol=0)
+    assert cache.stats.index_wait_s > 0
+
+
+def test_prefill_index_failure_surfaces_at_decode_and_stays(monkeypatch):
+    def failing_add(self, *args):
+        raise RuntimeError("index build failed")
+
+    monkeypatch.setattr(PageIndex, "add", failing_add)
+    model = tiny_model("llama")
+    cache = IceCache(IceCacheConfig(budget=96, full_layers=1), model)
+    ids = prompt_ids(300, seed=7)
+    with torch.inference_mode():
+        out = model(ids, **{CACHE_KW: cache})
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(2):  # every later step fails the same way, nothing half-done is used
+            with pytest.raises(RuntimeError, match="index build failed"):
+                model(token, **{CACHE_KW: cache})
+    cache.reset()  # a reset forgets the failed prompt
+    assert cache.get_seq_length() == 0
 
 
 def test_batch_with_left_padding_matches_each_prompt_alone():

@@ -136,8 +136,8 @@ class IceCache(Cache):
     def nbytes(self) -> dict:
         """KV bytes held now: ``{"device": ..., "host": ...}``. Device bytes are every layer's
         on-device cache (full and sliding layers' caches; sinks, windows and page pools of
-        IceCache layers); host bytes are the CPU page stores and staging buffers."""
-        total = {"device": 0, "host": self.runtime.staging.nbytes()}
+        IceCache layers); host bytes are the CPU page stores, staging and transit buffers."""
+        total = {"device": 0, "host": self.runtime.staging.nbytes() + self.runtime.transit.nbytes()}
         for layer in self.layers:
             if isinstance(layer, IceLayer):
                 for key, value in layer.nbytes().items():
@@ -148,5 +148,6 @@ class IceCache(Cache):
 
     def reset(self) -> None:
         """Empty the cache (all layers and counters) so that it can serve a new prompt."""
+        self.runtime.wait_indexed(errors=False)
         super().reset()
         self.runtime.stats = RuntimeStats()

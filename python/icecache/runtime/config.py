@@ -33,7 +33,8 @@ class IceCacheConfig:
         reuse: layer-reuse group size: groups of ``reuse`` consecutive IceCache layers share
             the first layer's page layout and page selection (1: off).
         pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
-            across steps until evicted. Default: twice the retrieved pages.
+            across steps until evicted. Default: ``budget // page_size``, so that sink, window
+            and pool together hold ``sink + window + budget`` tokens per layer and KV head.
         effort, num_simple, num_composite, promotion, seed, threads: index parameters, passed
             to :class:`icecache.HeadForest` (``None``: the index's defaults).
         device: where sinks, windows and the page pool live. Default: the model's device.
@@ -110,7 +111,7 @@ class IceCacheConfig:
     @property
     def device_pages(self) -> int:
         """Device page slots per (sequence, layer, KV head)."""
-        return self.pool_pages if self.pool_pages is not None else 2 * self.retrieved_pages
+        return self.pool_pages if self.pool_pages is not None else self.budget // self.page_size
 
     def index_kwargs(self) -> dict:
         """Keyword arguments for :class:`icecache.HeadForest`."""

@@ -6,7 +6,10 @@ the cache to the attention function. An IceCache layer therefore hands itself ov
 thread-local slot, and the attention function takes it from there:
 
 - no IceCache layer waiting (full-cache layers, sliding-window layers, other caches): plain
-  transformers SDPA, so ``"icecache"`` is exactly ``"sdpa"`` there;
+  transformers SDPA, so ``"icecache"`` is ``"sdpa"`` there, except that one-token steps on a
+  GPU do not use cuDNN's SDPA backend: it builds a new execution plan for every new key length,
+  which cost ~10 ms of host time per layer and step on the H200 machine (torch 2.11), more
+  than the whole attention; the flash and memory-efficient kernels need no plan;
 - an IceCache layer with its prompt: exact SDPA over the prompt, then the layer offloads and
   indexes it (the mask tells which positions are padding);
 - an IceCache layer in a decode step: sparse attention over sink + selected pages + window.
@@ -21,6 +24,7 @@ import threading
 from typing import Any, Optional
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from icecache._util import register_attention
 
@@ -30,6 +34,9 @@ __all__ = ["ATTN_IMPLEMENTATION", "enable", "register"]
 ATTN_IMPLEMENTATION = "icecache"
 
 _slot = threading.local()
+
+#: SDPA backends for one-token steps on a GPU (see the module docstring: no cuDNN).
+_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def hand_off(layer: Any) -> None:
@@ -70,6 +77,10 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
     layer = _take(module)
     if layer is None or not layer.decoding:
+        if query.shape[2] == 1 and query.is_cuda:
+            with sdpa_kernel(_DECODE_BACKENDS):
+                return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, **kwargs)
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                      scaling=scaling, **kwargs)
         if layer is not None:

@@ -4,6 +4,7 @@ middle tokens are offloaded to CPU semantic pages and retrieved per decode step.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -16,7 +17,7 @@ from icecache.attend import attention_recall, flashinfer as fi, sparse_decode_at
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import hand_off
 from icecache.runtime.pages import History, PageIndex, PageStore, numpy_view
-from icecache.runtime.transfer import Staging
+from icecache.runtime.transfer import Staging, Transit
 
 __all__ = ["IceLayer", "Runtime", "RuntimeStats"]
 
@@ -26,9 +27,11 @@ class RuntimeStats:
     """Counters over the decode steps of all IceCache layers of one cache.
 
     Seconds are host wall time (on a GPU they include waiting for it): ``select_s`` the page
-    selection and load planning, ``gather_s`` the page-table upload and the gather of missing
+    selection and load planning, ``gather_s`` the step's metadata and the gather of missing
     pages into staging, ``copy_s`` the bulk host-to-device copy and the scatter into the page
-    pool, ``attend_s`` the attention, ``recall_s`` the optional recall measurement.
+    pool, ``attend_s`` the attention, ``recall_s`` the optional recall measurement,
+    ``index_wait_s`` the time decode steps waited for the prefill pipeline to finish
+    offloading and indexing the prompt.
     ``pages_selected`` counts the pages attended and ``pages_loaded`` those copied, summed over
     layers, sequences and KV heads; ``recalls`` holds one recall per (layer, sequence, step).
     """
@@ -39,6 +42,7 @@ class RuntimeStats:
     copy_s: float = 0.0
     attend_s: float = 0.0
     recall_s: float = 0.0
+    index_wait_s: float = 0.0
     pages_selected: int = 0
     pages_loaded: int = 0
     recalls: List[float] = field(default_factory=list)
@@ -63,9 +67,13 @@ class Runtime:
     #: Synchronise the device at every timing boundary so that the breakdown in :attr:`stats`
     #: is device time, not launch time (slower; for benchmarks).
     sync_timing: bool = False
+    transit: Transit = None
+    _worker: Optional[ThreadPoolExecutor] = None
+    _pending: List[Future] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.staging = Staging(self.device)
+        self.transit = Transit(self.device)
         choice = self.config.attention
         if choice == "flashinfer" and not (self.device.type == "cuda" and fi.available()):
             raise ValueError("IceCacheConfig(attention='flashinfer') needs a CUDA device and FlashInfer "
@@ -84,6 +92,30 @@ class Runtime:
                              f"not {dtype} with head dim {head_dim}; use attention='auto' or 'torch'")
         return False
 
+    def submit(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the index worker: one thread, jobs in submission order (so a
+        reuse group's leader is indexed before the layers that follow its layout)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="icecache-index")
+        self._pending.append(self._worker.submit(fn, *args))
+
+    def wait_indexed(self, errors: bool = True) -> None:
+        """Wait until every submitted prompt is offloaded and indexed. Decoding waits for all
+        layers at once: a layer's first insert would otherwise race the worker still writing
+        the pages of the layers that follow its layout. Re-raises a failed job's error at every
+        call (``errors=False``: forget failed jobs)."""
+        if not self._pending:
+            return
+        t = time.perf_counter()
+        while self._pending:
+            try:
+                self._pending[0].result()
+            except BaseException:
+                if errors:
+                    raise
+            self._pending.pop(0)
+        self.stats.index_wait_s += time.perf_counter() - t
+
     def tick(self) -> float:
         """A timestamp for the breakdown (after a device sync when :attr:`sync_timing`)."""
         if self.sync_timing and self.device.type == "cuda":
@@ -98,6 +130,11 @@ class IceLayer(CacheLayerMixin):
     last ``window`` stay on the device and the rest goes to a CPU :class:`PageStore` in
     semantic page order, indexed by a :class:`PageIndex`. Each decode token joins the window;
     when the window is full its oldest page of tokens is inserted into the index.
+
+    Prefill is pipelined: the offload and index build of a layer's prompt run on the runtime's
+    worker thread (the copy on a side stream, the build in the core without the GIL) while the
+    device computes the next layers; the first decode step waits for them. The prompt's
+    device keys and values stay alive until the worker has copied them.
 
     A layer that leads its reuse group (``leader is None``) owns the indexes and selects
     pages; the others reuse the leader's page layout, selection and device-slot plan.
@@ -138,8 +175,7 @@ class IceLayer(CacheLayerMixin):
         self.sink_len = [0] * B
         self.win_len = [0] * B
         self.use_flashinfer = self.runtime.use_flashinfer(self.dtype, D)
-        pin = self.device.type == "cuda"
-        self.stores = [PageStore(H, cfg.page_size, D, self.dtype, pin) for _ in range(B)]
+        self.stores = [PageStore(H, cfg.page_size, D, self.dtype) for _ in range(B)]
         if self.leader is None:
             self.indexes = [PageIndex(H, cfg) for _ in range(B)]
         else:
@@ -166,6 +202,7 @@ class IceLayer(CacheLayerMixin):
             )
         if key_states.shape[0] != self.batch:
             raise ValueError(f"batch size changed from {self.batch} to {key_states.shape[0]}")
+        self.runtime.wait_indexed()
         self._append(key_states.to(self.device), value_states.to(self.device))
         self.length += 1
         hand_off(self)
@@ -210,6 +247,7 @@ class IceLayer(CacheLayerMixin):
             self.lazy_initialization(k, v)
             self.length = k.shape[-2]
         k, v = k.to(self.device), v.to(self.device)
+        middles = []
         for b in range(self.batch):
             kb, vb = k[b], v[b]
             if valid is not None and not bool(valid[b].all()):
@@ -222,30 +260,42 @@ class IceLayer(CacheLayerMixin):
             self.win_k[b, :, :w], self.win_v[b, :, :w] = kb[:, n - w :], vb[:, n - w :]
             self.sink_len[b], self.win_len[b] = s, w
             if n - s - w > 0:
-                self._offload(b, kb[:, s : n - w], vb[:, s : n - w])
+                middles.append((b, kb[:, s : n - w], vb[:, s : n - w]))
+        if middles:
+            ready = None
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+            self.runtime.submit(self._index_prompt, middles, ready)
         self.decoding = True
+
+    def _index_prompt(self, middles: list, ready: Optional["torch.cuda.Event"]) -> None:
+        """Index worker: copy each sequence's middle tokens to the host and index them."""
+        for b, k, v in middles:
+            k_host, v_host = self.runtime.transit.to_host(ready, k, v)
+            self._offload(b, k_host, v_host)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         cfg = self.runtime.config
         ps = cfg.page_size
         for b in range(self.batch):
-            if self.win_len[b] == cfg.window:
+            w = self.win_len[b]
+            if w == cfg.window:
                 # The window is full: its oldest page of tokens goes to the index.
-                old_k, old_v = self.win_k[b, :, :ps].clone(), self.win_v[b, :, :ps].clone()
-                self.win_k[b, :, : cfg.window - ps] = self.win_k[b, :, ps:].clone()
-                self.win_v[b, :, : cfg.window - ps] = self.win_v[b, :, ps:].clone()
-                self.win_len[b] -= ps
-                self._offload(b, old_k, old_v)
-        rows = torch.arange(self.batch, device=self.device)
-        slots = torch.tensor(self.win_len, device=self.device)
-        self.win_k[rows, :, slots] = k[:, :, 0]
-        self.win_v[rows, :, slots] = v[:, :, 0]
-        self.win_len = [n + 1 for n in self.win_len]
+                old_k = self.win_k[b, :, :ps].to("cpu", copy=True)  # a copy on the CPU too
+                old_v = self.win_v[b, :, :ps].to("cpu", copy=True)
+                self.win_k[b, :, : w - ps] = self.win_k[b, :, ps:].clone()
+                self.win_v[b, :, : w - ps] = self.win_v[b, :, ps:].clone()
+                w -= ps
+                self._offload(b, old_k.contiguous(), old_v.contiguous())
+            # Python-int slots: no index tensor to upload, so no wait for the device.
+            self.win_k[b, :, w] = k[b, :, 0]
+            self.win_v[b, :, w] = v[b, :, 0]
+            self.win_len[b] = w + 1
 
     def _offload(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Move ``[H, m, D]`` tokens that follow sequence ``b``'s offloaded ones to its store."""
-        k = k.to("cpu", copy=True).contiguous()
-        v = v.to("cpu", copy=True).contiguous()
+        """Add ``[H, m, D]`` host tokens (contiguous) that follow sequence ``b``'s offloaded
+        ones to its index and store."""
         if self.leader is None:
             self.indexes[b].add(k, v, self.stores[b])
         else:
@@ -268,8 +318,15 @@ class IceLayer(CacheLayerMixin):
             for b, index in enumerate(indexes):
                 index.select(q_host[b], cfg.retrieved_pages, scale)
         t1 = rt.tick()
-        meta = self._upload_meta(indexes)
-        t2 = self._load_pages(indexes, meta)
+        parts, starts, n = self._stage(indexes)
+        t2 = rt.tick()
+        flat, rows = rt.staging.upload()
+        meta = {name: flat[starts[name] : starts[name] + a.size].view(a.shape) for name, a in parts.items()}
+        if n:
+            bh, slot = meta["load_bh"], meta["load_slot"]
+            B, H, C, S, D = self.pool_k.shape
+            self.pool_k.view(B * H, C, S, D)[bh, slot] = rows[0]
+            self.pool_v.view(B * H, C, S, D)[bh, slot] = rows[1]
         t3 = rt.tick()
         if self.use_flashinfer:
             out = rt.flashinfer.run(q, self.kv_k, self.kv_v, meta["fi_indptr"], meta["fi_indices"], scale)
@@ -285,52 +342,47 @@ class IceLayer(CacheLayerMixin):
         stats.gather_s += t2 - t1
         stats.copy_s += t3 - t2
         stats.attend_s += t4 - t3
-        stats.pages_selected += int(sum(int(ix.selection[1].sum()) for ix in indexes))
-        stats.pages_loaded += int(meta["load_h"].numel())
+        stats.pages_selected += sum(int(ix.selection[1].sum()) for ix in indexes)
+        stats.pages_loaded += n
         if rt.track_recall:
             self._track_recall(q, indexes, scale)
             stats.recall_s += time.perf_counter() - t4
         return out[:, None].to(query.device)
 
-    def _upload_meta(self, indexes: List[PageIndex]) -> dict:
-        """One host-to-device copy of this step's small integer metadata."""
+    def _stage(self, indexes: List[PageIndex]) -> tuple:
+        """Put this step's integer metadata and the planned pages (gathered by the core) in
+        staging, for one host-to-device copy (a reusing layer loads what its leader planned).
+        Returns ``(parts, starts, n)``: the metadata arrays by name, where each starts in the
+        int32 metadata, and the number of pages loaded."""
+        cfg = self.runtime.config
         plans = [ix.plan for ix in indexes]
+        H, S = self.heads, cfg.page_size
         # Attend only over the columns some head uses (fewer pages than the budget allows
         # while the offloaded part is short).
         used = max(int(ix.selection[1].max(initial=0)) for ix in indexes)
+        table = np.stack([p[3][:, :used] for p in plans])
+        page_len = np.stack([ix.selected_lens()[:, :used] for ix in indexes])
         parts = {
-            "sink_len": np.asarray(self.sink_len),
-            "win_len": np.asarray(self.win_len),
-            "table": np.stack([p[3][:, :used] for p in plans]),
-            "page_len": np.stack([ix.selected_lens()[:, :used] for ix in indexes]),
-            "load_b": np.concatenate([np.full(len(p[0]), b) for b, p in enumerate(plans)]),
-            "load_h": np.concatenate([p[0] for p in plans]),
+            "load_bh": np.concatenate([b * H + p[0] for b, p in enumerate(plans)]),
             "load_slot": np.concatenate([p[2] for p in plans]),
         }
         if self.use_flashinfer:
-            cfg = self.runtime.config
             parts["fi_indptr"], parts["fi_indices"] = fi.token_lists(
-                parts["table"], parts["page_len"], parts["sink_len"], parts["win_len"],
-                cfg.device_pages, cfg.page_size, cfg.sink, cfg.window,
+                table, page_len, np.asarray(self.sink_len), np.asarray(self.win_len),
+                cfg.device_pages, S, cfg.sink, cfg.window,
             )
-        flat = torch.from_numpy(np.concatenate([a.ravel() for a in parts.values()]).astype(np.int32))
-        flat = flat.to(self.device)
-        meta, start = {}, 0
+        else:
+            parts.update(sink_len=np.asarray(self.sink_len), win_len=np.asarray(self.win_len),
+                         table=table, page_len=page_len)
+        # Each part starts 16-byte aligned in the upload.
+        starts, at = {}, 0
         for name, a in parts.items():
-            meta[name] = flat[start : start + a.size].view(a.shape)
-            start += a.size
-        return meta
-
-    def _load_pages(self, indexes: List[PageIndex], meta: dict) -> float:
-        """Gather the planned pages into staging rows, copy them to the device in one transfer
-        and scatter them into the page pool. Returns the time the gather ended."""
-        cfg = self.runtime.config
-        plans = [ix.plan for ix in indexes]  # a reusing layer loads what its leader planned
-        n = sum(len(p[0]) for p in plans)
-        if n == 0:
-            return self.runtime.tick()
-        staging = self.runtime.staging
-        k_rows, v_rows, flat = staging.rows(n, cfg.page_size, self.dim, self.dtype)
+            starts[name] = at
+            at += -(-a.size // 4) * 4
+        n = len(parts["load_bh"])
+        meta_host, k_rows, v_rows = self.runtime.staging.begin(at, n, S, self.dim, self.dtype)
+        for name, a in parts.items():
+            meta_host[starts[name] : starts[name] + a.size] = a.ravel()
         start = 0
         for b, (heads, pages, _, _) in enumerate(plans):
             m = len(heads)
@@ -338,12 +390,7 @@ class IceLayer(CacheLayerMixin):
                 _core.gather_pages(*self.stores[b].views(), heads, pages,
                                    numpy_view(k_rows[start : start + m]), numpy_view(v_rows[start : start + m]))
                 start += m
-        gathered = self.runtime.tick()
-        rows = staging.upload(flat).view(2, n, cfg.page_size, self.dim)
-        where = (meta["load_b"].long(), meta["load_h"].long(), meta["load_slot"].long())
-        self.pool_k[where] = rows[0]
-        self.pool_v[where] = rows[1]
-        return gathered
+        return parts, starts, n
 
     def _track_recall(self, q: torch.Tensor, indexes: List[PageIndex], scale: float) -> None:
         for b, index in enumerate(indexes):
@@ -362,6 +409,7 @@ class IceLayer(CacheLayerMixin):
         """Bytes held on the device (sink, window, page pool) and in host memory (stores)."""
         if not self.is_initialized:
             return {"device": 0, "host": 0}
+        self.runtime.wait_indexed()
         dev = sum(t.numel() * t.element_size() for t in (self.kv_k, self.kv_v))
         host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
         return {"device": dev, "host": host}

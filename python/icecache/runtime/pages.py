@@ -1,8 +1,9 @@
 """CPU side of the runtime: page stores and the per-sequence page index.
 
 For every sequence and IceCache layer, the offloaded ("middle") tokens live in a
-:class:`PageStore`, K and V laid out as semantic pages ``[H_kv, P, page_size, D]`` (pinned
-when the device is a GPU, so the bulk copy can be asynchronous). A :class:`PageIndex` per
+:class:`PageStore`, K and V laid out as semantic pages ``[H_kv, P, page_size, D]`` in ordinary
+host memory (only the staging rows that pages are gathered into take part in DMA, see
+:mod:`icecache.runtime.transfer`). A :class:`PageIndex` per
 sequence and reuse group owns the :class:`icecache.HeadForest` that decides that layout, the
 valid length of every page, the device residency of pages (:class:`icecache.ResidentPages`)
 and the current step's selection and load plan. Layers that reuse another layer's layout keep
@@ -40,12 +41,11 @@ class PageStore:
     """K and V pages of one layer of one sequence in CPU memory: ``[H_kv, P, S, D]`` each.
 
     Grows by half again when full; the NumPy views handed to the core are taken after any
-    growth. Growing pinned memory stalls the step that does it (a fresh pinned allocation of
-    the whole store), so callers reserve headroom up front (:func:`headroom`).
+    growth. Growing copies the whole store and stalls the step that does it, so callers
+    reserve headroom up front (:func:`headroom`).
     """
 
-    def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype, pin: bool):
-        self.pin = pin
+    def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype):
         self.k = torch.empty(heads, 0, page_size, dim, dtype=dtype)
         self.v = torch.empty_like(self.k)
 
@@ -61,7 +61,7 @@ class PageStore:
         size = max(pages, self.pages + self.pages // 2)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = torch.empty(old.shape[0], size, *old.shape[2:], dtype=old.dtype, pin_memory=self.pin)
+            new = torch.empty(old.shape[0], size, *old.shape[2:], dtype=old.dtype)
             new[:, : old.shape[1]] = old
             setattr(self, name, new)
 
@@ -71,7 +71,8 @@ class PageStore:
 
 
 class History:
-    """K and V of one layer's offloaded tokens in position order, ``[H_kv, n, D]`` (grows)."""
+    """K and V of one layer's offloaded tokens in position order, ``[H_kv, n, D]``; grows with
+    the same headroom as the page stores (:func:`headroom`, in tokens)."""
 
     def __init__(self, heads: int, dim: int, dtype: torch.dtype):
         self.k = torch.empty(heads, 0, dim, dtype=dtype)
@@ -81,7 +82,7 @@ class History:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         m = k.shape[1]
         if self.n + m > self.k.shape[1]:
-            size = max(self.n + m, 2 * self.k.shape[1])
+            size = max(headroom(self.n + m), self.k.shape[1] + self.k.shape[1] // 2)
             for name in ("k", "v"):
                 old = getattr(self, name)
                 new = torch.empty(old.shape[0], size, old.shape[2], dtype=old.dtype)
@@ -161,10 +162,17 @@ class PageIndex:
             forest.write_pages(k_src, v_src, *store.views())
             return
         for head, pages in enumerate(self.changed):
-            for page in pages.tolist():
-                tokens = torch.from_numpy(forest.page_tokens(head, page))
-                store.k[head, page, : len(tokens)] = history.k[head, tokens]
-                store.v[head, page, : len(tokens)] = history.v[head, tokens]
+            if len(pages) == 0:
+                continue
+            # One indexed copy per head for all its changed pages: (page, slot) <- token.
+            tokens = [forest.page_tokens(head, page) for page in pages.tolist()]
+            lens = np.array([len(t) for t in tokens])
+            starts = np.repeat(np.cumsum(lens) - lens, lens)
+            src = torch.from_numpy(np.concatenate(tokens).astype(np.int64))
+            page = torch.from_numpy(np.repeat(pages.astype(np.int64), lens))
+            slot = torch.from_numpy(np.arange(lens.sum()) - starts)
+            store.k[head, page, slot] = history.k[head, src]
+            store.v[head, page, slot] = history.v[head, src]
 
     def select(self, query: np.ndarray, max_pages: int, scale: float) -> None:
         """Choose this step's pages for ``query`` (``[H_q, D]``) and plan their loading."""
