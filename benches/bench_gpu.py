@@ -1,34 +1,40 @@
 #!/usr/bin/env python
-"""Decode on a GPU: full cache (transformers DynamicCache + SDPA) vs IceCache and IceCache-reuse.
+"""Decode on a GPU: full cache (DynamicCache with SDPA or FlashInfer) vs IceCache and IceCache-reuse.
 
-A Llama-3.1-8B-shaped model (config written here, random bf16 weights made on the GPU; no
-download). Per context length, one prompt of random tokens:
+A Llama-3.1-8B-shaped model (``--shape llama8b``; ``smollm2`` for a quick run), config written
+here, random bf16 weights made on the GPU; no download. Per context length, one prompt of
+random tokens:
 
 - time to second token (TTST): prefill + one decode step, from an empty cache, for each
-  variant (IceCache's includes offloading and building every index; not pipelined yet);
+  variant; IceCache's prefill pipeline indexes on a worker thread and the first decode step
+  waits for it ("index wait");
 - time per output token (TPOT): each variant keeps decoding from its own cache; after a
   warm-up, ``--repeats`` rounds of ``--steps`` one-token steps, variants interleaved (order
   rotated per round), every step timed to a device sync; median over all steps;
 - IceCache breakdown: one more pass per IceCache variant with a device sync at every stage
   boundary (``Runtime.sync_timing``), per token: selection (q to host + index query + load
-  plan), gather (metadata upload + gather of missing pages into pinned staging),
-  copy (host-to-device + scatter), attention, rest (all else: projections, MLPs, the full
-  layers); the synced pass is slower than the TPOT pass, its total is shown too;
-- device KV bytes and host bytes (page stores + staging) after decoding.
+  plan), gather (metadata + gather of missing pages into pinned staging), copy (the one
+  host-to-device copy + scatter), attention, rest (all else: projections, MLPs, the full
+  layers, window bookkeeping); the synced pass is slower than the TPOT pass, its total is
+  shown too; ``--cprofile N`` adds cProfile tables of N steps (and of each prefill);
+- device KV bytes and host bytes (page stores + staging + transit) after decoding.
 
-    python benches/bench_gpu.py [--contexts 32768 131072] [--steps 32] [--repeats 3]
-        [--variants full ice ice3] [--attention auto|torch|flashinfer] [--out DIR]
+Variants: ``full`` DynamicCache + SDPA, ``fullfi`` DynamicCache + FlashInfer single-sequence
+decode (needs FlashInfer), ``ice`` IceCache, ``ice3`` IceCache with reuse 3.
 
-Runs of 2026-11-30 on the lent H200 (icecache wheel + FlashInfer 0.3.1 sdist installed into
-/tmp/site, then ``cp -r python/icecache/runtime python/icecache/attend /tmp/site/icecache/``,
-``PYTHONPATH=/tmp/site``):
+    python benches/bench_gpu.py [--shape llama8b|smollm2] [--contexts 32768 131072] [--steps 32]
+        [--repeats 3] [--variants full fullfi ice ice3] [--attention auto|torch|flashinfer]
+        [--threads N] [--cprofile N] [--out DIR]
 
-    python3 benches/bench_gpu.py --contexts 32768 131072 --time-limit 120 --out $OUT  # 128k cut off
-    python3 benches/bench_gpu.py --contexts 131072 --variants full ice --repeats 2 --out $OUT
-    python3 benches/bench_gpu.py --contexts 32768 --variants full ice --repeats 2 --attention torch --out $OUT
+Runs recorded in benches/RESULTS.md, on the lent H200 (icecache wheel + FlashInfer 0.3.1
+sdist installed with ``pip install --no-index --no-deps --no-build-isolation --target
+/tmp/site``, ``PYTHONPATH=/tmp/site``):
 
-Host memory: at 128k, IceCache (reuse 1) holds ~42 GB of pinned page stores and the machine
-(128 GB) came within a few GB of running out; do not run all three variants at 128k at once.
+    python3 benches/bench_gpu.py --contexts 32768 --variants full fullfi ice ice3 --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --cprofile 4 --out $OUT
+    python3 benches/bench_gpu.py --contexts 131072 --variants full fullfi ice ice3 --repeats 2 --steps 16 --warmup 16 --profile-steps 4 --out $OUT
+    python3 benches/bench_gpu.py --shape smollm2 --contexts 16384 --variants full fullfi ice ice3 --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --out $OUT
+
+Host memory at 128k: ~21 GB of page stores per IceCache variant.
 """
 
 from __future__ import annotations
@@ -52,6 +58,38 @@ def llama8b_config(layers: int):
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     )
+
+
+def smollm2_config(layers: int):
+    """SmolLM2-135M's shape (9 query / 3 KV heads of 64 dims), for a quick run."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=65536,
+        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    )
+
+
+SHAPES = {"llama8b": (llama8b_config, 32), "smollm2": (smollm2_config, 30)}
+
+#: Decode attention of the full-cache FlashInfer variant is on while this holds True.
+_FULL_FLASHINFER = [False]
+
+
+def bench_attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's attention here: FlashInfer single-sequence decode over the whole cache while
+    the full-cache FlashInfer variant steps, IceCache's attention function otherwise (plain SDPA
+    for other caches)."""
+    from icecache.runtime.integration import icecache_attention
+
+    if _FULL_FLASHINFER[0] and query.shape[2] == 1 and query.shape[0] == 1:
+        import flashinfer
+
+        out = flashinfer.single_decode_with_kv_cache(
+            query[0, :, 0], key[0], value[0], kv_layout="HND", sm_scale=kwargs.get("scaling"))
+        return out[None, None], None
+    return icecache_attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def flashinfer_smoke() -> str:
@@ -83,6 +121,10 @@ def flashinfer_smoke() -> str:
                                       kv_k[:, :, :P].view(B, H, C, S, D).float(), kv_v[:, :, :P].view(B, H, C, S, D).float(),
                                       t(table), t(plen), kv_k[:, :, P + sk:].float(), kv_v[:, :, P + sk:].float(), t(wl), D ** -0.5)
         rel = ((got.float() - ref).norm() / ref.norm()).item()
+        # Compile the full-cache baseline's kernel too, outside any timing.
+        import flashinfer
+
+        flashinfer.single_decode_with_kv_cache(q[0, :G], kv_k[0, :1], kv_v[0, :1], kv_layout="HND")
         return "" if rel < 1e-2 else f"relative error {rel:.3g}"
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
@@ -95,12 +137,18 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--profile-steps", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES),
+                    help="llama8b: Llama-3.1-8B (32 layers); smollm2: SmolLM2-135M (30 layers), quick")
+    ap.add_argument("--layers", type=int, default=None, help="default: the shape's")
     ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None, help="IceCacheConfig.threads (default: all cores)")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     ap.add_argument("--time-limit", type=float, default=1e9, help="skip contexts started after this many s")
     ap.add_argument("--variants", nargs="+", default=["full", "ice", "ice3"],
-                    help="full: DynamicCache+SDPA; ice: IceCache; ice3: IceCache reuse=3")
+                    help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode; "
+                         "ice: IceCache; ice3: IceCache reuse=3")
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="also profile this many steps of each IceCache variant (host time by function)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     start = time.perf_counter()
@@ -110,6 +158,7 @@ def main(argv=None) -> int:
     from transformers import DynamicCache, LlamaForCausalLM
 
     import icecache
+    from icecache._util import register_attention
     from icecache.runtime import IceCache, IceCacheConfig, RuntimeStats, enable
 
     log_lines = []
@@ -131,20 +180,35 @@ def main(argv=None) -> int:
     log(f"attention backend: {attention}")
 
     torch.manual_seed(0)
-    cfg = llama8b_config(args.layers)
+    make_config, default_layers = SHAPES[args.shape]
+    args.layers = args.layers or default_layers
+    cfg = make_config(args.layers)
     t0 = time.perf_counter()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
     model.eval()
-    enable(model)  # "icecache" attention = plain SDPA for the full cache
+    enable(model)  # registers IceCache's attention function, which bench_attention wraps
+    register_attention("bench", bench_attention)
+    model.set_attn_implementation("bench")
     log(f"model built in {time.perf_counter() - t0:.1f} s")
     kw = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
     def step(cache, tok):
+        _FULL_FLASHINFER[0] = getattr(cache, "bench_flashinfer", False)
         out = model(tok, logits_to_keep=1, **{kw: cache})
         return out.logits[:, -1:].argmax(-1)
+
+    def full_flashinfer():
+        cache = DynamicCache(config=model.config)
+        cache.bench_flashinfer = True
+        return cache
+
+    def make_ice(reuse):
+        cache = IceCache(ice_config(reuse), model)
+        model.set_attn_implementation("bench")  # IceCache's attention, with the FlashInfer baseline
+        return cache
 
     def ttst(cache, ids):
         torch.cuda.synchronize()
@@ -158,8 +222,22 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         return time.perf_counter() - t, t_first, tok
 
+    def profiled(what, fn):
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        out = prof.runcall(fn)
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(35)
+        log(f"cProfile, {what}:\n{text.getvalue()}")
+        return out
+
     def ice_config(reuse):
-        return IceCacheConfig(budget=args.budget, reuse=reuse, attention=attention)
+        return IceCacheConfig(budget=args.budget, reuse=reuse, attention=attention, threads=args.threads)
 
     results = []
     for n in args.contexts:
@@ -169,12 +247,21 @@ def main(argv=None) -> int:
         ids = torch.randint(0, cfg.vocab_size, (1, n), device="cuda")
         variants = {}
         makers = {"full": ("full (SDPA)", lambda: DynamicCache(config=model.config)),
-                  "ice": ("IceCache", lambda: IceCache(ice_config(1), model)),
-                  "ice3": ("IceCache reuse=3", lambda: IceCache(ice_config(3), model))}
-        for name, make in (makers[k] for k in args.variants):
+                  "fullfi": ("full (FlashInfer)", full_flashinfer),
+                  "ice": ("IceCache", lambda: make_ice(1)),
+                  "ice3": ("IceCache reuse=3", lambda: make_ice(3))}
+        if "fullfi" in args.variants and attention != "flashinfer":
+            makers.pop("fullfi")
+            log("no FlashInfer: full (FlashInfer) variant skipped")
+        for name, make in (makers[k] for k in args.variants if k in makers):
             cache = make()
-            total, first, tok = ttst(cache, ids)
+            if args.cprofile and not name.startswith("full"):
+                total, first, tok = profiled(f"{n}: {name}: prefill", lambda: ttst(cache, ids))
+            else:
+                total, first, tok = ttst(cache, ids)
             variants[name] = dict(cache=cache, tok=tok, ttst=total, ttft=first, steps=[])
+            if isinstance(cache, IceCache):  # how long the first decode step waited for the index
+                variants[name]["index_wait_s"] = cache.stats.index_wait_s
             log(f"{n}: {name}: TTFT {first:.2f} s, TTST {total:.2f} s")
         with torch.inference_mode():
             for v in variants.values():
@@ -210,6 +297,12 @@ def main(argv=None) -> int:
                 v["breakdown"] = {k: getattr(s, k) / args.profile_steps for k in ("select_s", "gather_s", "copy_s", "attend_s")}
                 v["pages_loaded"] = s.pages_loaded / args.profile_steps
                 v["pages_selected"] = s.pages_selected / args.profile_steps
+            for name, v in variants.items() if args.cprofile else ():
+                def steps():
+                    for _ in range(args.cprofile):
+                        v["tok"] = step(v["cache"], v["tok"])
+                    torch.cuda.synchronize()
+                profiled(f"{n}: {name}: {args.cprofile} decode steps", steps)
         for name, v in variants.items():
             cache = v["cache"]
             if isinstance(cache, IceCache):
@@ -221,7 +314,7 @@ def main(argv=None) -> int:
                        tpot_ms_per_round=[statistics.median(v["steps"][i * args.steps:(i + 1) * args.steps]) * 1e3
                                           for i in range(args.repeats)],
                        device_kv_bytes=nb["device"], host_bytes=nb["host"])
-            for k in ("breakdown", "profile_total", "pages_loaded", "pages_selected"):
+            for k in ("breakdown", "profile_total", "pages_loaded", "pages_selected", "index_wait_s"):
                 if k in v:
                     row[k] = v[k]
             results.append(row)
@@ -230,16 +323,19 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     head = (f"H200 ({torch.cuda.get_device_name()}), torch {torch.__version__}, transformers "
-            f"{transformers.__version__}, icecache {icecache.__version__}; Llama-3.1-8B shape "
+            f"{transformers.__version__}, icecache {icecache.__version__}; {args.shape} shape "
             f"({args.layers} layers), random bf16 weights, batch 1; budget {args.budget} (page 16, "
             f"sink 16, window 32, 2 full layers); IceCache attention: {attention}; TPOT median of "
             f"{args.repeats}x{args.steps} interleaved steps after {args.warmup} warm-up steps")
     lines = [head, "",
-             "| context | variant | TTST s | TPOT ms | x full | synced pass ms | select | gather | copy | attention | rest | pages loaded/tok | device KV MB | host MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| context | variant | TTST s | x full | index wait s | TPOT ms | x full | synced pass ms | select | gather | copy | attention | rest | pages loaded/tok | device KV MB | host MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        full = next(x for x in results if x["context"] == r["context"] and x["variant"].startswith("full"))
-        ratio = r["tpot_ms"] / full["tpot_ms"]
+        # "x full": against the faster full-cache run (SDPA or FlashInfer) of the same context.
+        fulls = [x for x in results if x["context"] == r["context"] and x["variant"].startswith("full")]
+        ratio = r["tpot_ms"] / min(x["tpot_ms"] for x in fulls) if fulls else float("nan")
+        ttst_ratio = r["ttst_s"] / min(x["ttst_s"] for x in fulls) if fulls else float("nan")
+        wait = f"{r['index_wait_s']:.2f}" if "index_wait_s" in r else "-"
         if "breakdown" in r:
             b = {k: v * 1e3 for k, v in r["breakdown"].items()}
             p = r["profile_total"] * 1e3
@@ -247,7 +343,8 @@ def main(argv=None) -> int:
                      f"{b['attend_s']:.2f} | {p - sum(b.values()):.1f} | {r['pages_loaded']:.0f}")
         else:
             parts = "- | - | - | - | - | - | -"
-        lines.append(f"| {r['context']} | {r['variant']} | {r['ttst_s']:.2f} | {r['tpot_ms']:.1f} | {ratio:.2f} | "
+        lines.append(f"| {r['context']} | {r['variant']} | {r['ttst_s']:.2f} | {ttst_ratio:.2f} | {wait} | "
+                     f"{r['tpot_ms']:.1f} | {ratio:.2f} | "
                      f"{parts} | {r['device_kv_bytes'] / 2**20:.0f} | {r['host_bytes'] / 2**20:.0f} |")
     table = "\n".join(lines)
     print(table, flush=True)
