@@ -339,6 +339,8 @@ def test_prefill_indexes_on_the_worker_while_the_forward_returns(monkeypatch):
         model(ids, **{CACHE_KW: cache})
     assert seen == []  # nothing indexed yet: the forward did not wait for the index
     released.set()
+    cache.wait_indexed()
+    assert len(seen) == len(ice_layers(cache)) and all(seen)
     cache.reset()
     got = run_steps(model, ids, cache, 3)
     assert len(seen) >= 2 * len(ice_layers(cache)) and all(seen)  # two prompts, then inserts

@@ -298,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
     for config in configs:
         start = time.perf_counter()
         cache = IceCache.from_prefilled(config, model, prefix, track_recall=not args.no_recall)
+        cache.wait_indexed()  # indexing runs on a worker thread; time all of it
         index_s = time.perf_counter() - start
         name = f"IceCache {config.budget}"
         stats = cache.stats

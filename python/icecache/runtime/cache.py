@@ -128,6 +128,12 @@ class IceCache(Cache):
                 ice.layers[i] = copy.deepcopy(theirs)
         return ice
 
+    def wait_indexed(self) -> None:
+        """Block until the prompt is offloaded and indexed. Prefill hands that work to a worker
+        thread and the first decode step waits for it; call this to wait (or time it) earlier.
+        Raises the worker's error if indexing failed."""
+        self.runtime.wait_indexed()
+
     @property
     def stats(self) -> RuntimeStats:
         """Timing, page and recall counters of the decode steps so far."""
