@@ -74,6 +74,7 @@ def main(argv=None) -> int:
         del full
         for b in args.budgets:
             cache = IceCache.from_prefilled(IceCacheConfig(budget=b), model, prefix)
+            cache.wait_indexed()  # time decoding only, not the prompt's indexing
             t = decode(model, cache, last, args.steps)
             runs[f"IceCache {b}"].append((t, copy.deepcopy(cache.stats)))
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
