@@ -101,8 +101,9 @@ def register() -> None:
 def enable(model: Any) -> None:
     """Switch ``model`` to the ``"icecache"`` attention implementation.
 
-    It behaves exactly like ``"sdpa"`` unless the model runs with an :class:`IceCache`, so the
-    model can keep it for full-cache runs too. ``IceCache(config, model)`` calls this.
+    It behaves like ``"sdpa"`` (minus cuDNN's backend in one-token GPU steps, see the module
+    docstring) unless the model runs with an :class:`IceCache`, so the model can keep it for
+    full-cache runs too. ``IceCache(config, model)`` calls this.
     """
     register()
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
