@@ -82,6 +82,62 @@ fn dot4(q: &[f32], r: [&[f32]; 4]) -> [f32; 4] {
     out
 }
 
+/// `acc += x · y`, lane-wise.
+#[inline(always)]
+fn fma16(x: &[f32; 16], y: &[f32; 16], acc: &mut [f32; 16]) {
+    for l in 0..16 {
+        acc[l] = x[l].mul_add(y[l], acc[l]);
+    }
+}
+
+/// `hsum16` of each of sixteen accumulators, as a 4 × 4 tile. Out of line on purpose: inlined
+/// into `dot4x4`, LLVM vectorises these sums across the accumulators and spoils its FMA loop.
+#[inline(never)]
+fn hsum16x16(c: &[[f32; 16]; 16]) -> [[f32; 4]; 4] {
+    [0, 4, 8, 12].map(|r| [hsum16(c[r]), hsum16(c[r + 1]), hsum16(c[r + 2]), hsum16(c[r + 3])])
+}
+
+/// Dot products of four rows with four rows: sixteen FMA chains, each row loaded once for four
+/// of them. Each product sums as in `dot4` (bit-identical results). Written out, not looped:
+/// LLVM keeps the sixteen accumulators in registers only when every index is a constant.
+#[inline(always)]
+fn dot4x4(a: [&[f32]; 4], b: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    let dim = a[0].len();
+    let full = dim / 16;
+    let [a0, a1, a2, a3] = a.map(|r| &r[..dim].as_chunks::<16>().0[..full]);
+    let [b0, b1, b2, b3] = b.map(|r| &r[..dim].as_chunks::<16>().0[..full]);
+    let mut c = [[0f32; 16]; 16];
+    for k in 0..full {
+        let (x0, x1, x2, x3) = (&a0[k], &a1[k], &a2[k], &a3[k]);
+        let (y0, y1, y2, y3) = (&b0[k], &b1[k], &b2[k], &b3[k]);
+        fma16(x0, y0, &mut c[0]);
+        fma16(x0, y1, &mut c[1]);
+        fma16(x0, y2, &mut c[2]);
+        fma16(x0, y3, &mut c[3]);
+        fma16(x1, y0, &mut c[4]);
+        fma16(x1, y1, &mut c[5]);
+        fma16(x1, y2, &mut c[6]);
+        fma16(x1, y3, &mut c[7]);
+        fma16(x2, y0, &mut c[8]);
+        fma16(x2, y1, &mut c[9]);
+        fma16(x2, y2, &mut c[10]);
+        fma16(x2, y3, &mut c[11]);
+        fma16(x3, y0, &mut c[12]);
+        fma16(x3, y1, &mut c[13]);
+        fma16(x3, y2, &mut c[14]);
+        fma16(x3, y3, &mut c[15]);
+    }
+    let mut out = hsum16x16(&c);
+    for (i, row) in out.iter_mut().enumerate() {
+        for (j, o) in row.iter_mut().enumerate() {
+            for k in full * 16..dim {
+                *o = a[i][k].mul_add(b[j][k], *o);
+            }
+        }
+    }
+    out
+}
+
 /// Dot products of one query with `n` consecutive rows of `dim` floats: `out[i] = q · rows[i]`.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn dot_rows(q: &[f32], rows: &[f32], out: &mut [f32]) {
@@ -112,10 +168,66 @@ pub fn dot_gather(q: &[f32], rows: &[f32], idx: &[u32], out: &mut [f32]) {
     }
 }
 
+/// Dot products of chosen rows of `a` with all rows of `b` (rows of `dim` floats):
+/// `out[i * nb + j] = a[ia[i]] · b[j]`, `nb` = rows of `b`. Tiles of 4 × 4 load each row once
+/// for four products; results equal `dot_gather`'s blocks of four bit for bit.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn dot_cross(dim: usize, a: &[f32], ia: &[u32], b: &[f32], out: &mut [f32]) {
+    let nb = b.len() / dim;
+    if nb == 0 {
+        return;
+    }
+    let nb4 = nb - nb % 4;
+    let arow = |i: u32| &a[i as usize * dim..(i as usize + 1) * dim];
+    let brow = |j: usize| &b[j * dim..(j + 1) * dim];
+    let b4 = |j: usize| [brow(j), brow(j + 1), brow(j + 2), brow(j + 3)];
+    for (ix, o) in ia.chunks(4).zip(out.chunks_mut(4 * nb)) {
+        if let &[i0, i1, i2, i3] = ix {
+            let ar = [arow(i0), arow(i1), arow(i2), arow(i3)];
+            for j in (0..nb4).step_by(4) {
+                for (i, row) in dot4x4(ar, b4(j)).iter().enumerate() {
+                    o[i * nb + j..i * nb + j + 4].copy_from_slice(row);
+                }
+            }
+            // A column left over: `dot4` with the roles swapped sums the same products.
+            for j in nb4..nb {
+                for (i, v) in dot4(brow(j), ar).into_iter().enumerate() {
+                    o[i * nb + j] = v;
+                }
+            }
+        } else {
+            for (&i, orow) in ix.iter().zip(o.chunks_mut(nb)) {
+                for j in (0..nb4).step_by(4) {
+                    orow[j..j + 4].copy_from_slice(&dot4(arow(i), b4(j)));
+                }
+                for j in nb4..nb {
+                    orow[j] = dot4(arow(i), [brow(j); 4])[0];
+                }
+            }
+        }
+    }
+}
+
 /// `out += Σ coef[i] · rows[i]` over `coef.len()` consecutive rows of `out.len()` floats.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn add_scaled_rows(coef: &[f32], rows: &[f32], out: &mut [f32]) {
-    for (&a, r) in coef.iter().zip(rows.chunks_exact(out.len())) {
+    let dim = out.len();
+    let n = coef.len().min(rows.len() / dim);
+    let (coef, rows) = (&coef[..n], &rows[..n * dim]);
+    // Four rows per pass over `out`: one load and store of it for four FMAs, in the same order
+    // (and so to the same bits) as one row at a time.
+    let mut quads = coef.chunks_exact(4).zip(rows.chunks_exact(4 * dim));
+    for (a, r) in &mut quads {
+        let (r0, r1, r2, r3) = (&r[..dim], &r[dim..2 * dim], &r[2 * dim..3 * dim], &r[3 * dim..]);
+        for j in 0..dim {
+            let o = a[0].mul_add(r0[j], out[j]);
+            let o = a[1].mul_add(r1[j], o);
+            let o = a[2].mul_add(r2[j], o);
+            out[j] = a[3].mul_add(r3[j], o);
+        }
+    }
+    let done = n - n % 4;
+    for (&a, r) in coef[done..].iter().zip(rows[done * dim..].chunks_exact(dim)) {
         for (o, x) in out.iter_mut().zip(r) {
             *o = a.mul_add(*x, *o);
         }
@@ -331,9 +443,33 @@ mod tests {
             let mut got = [0f32; 7];
             dot_gather(&a, &many, &idx, &mut got);
             assert!(got.iter().zip(&idx).all(|(g, &i)| (g - want[i as usize]).abs() < 1e-4));
+            // Every tile shape (7 x 5 = a block of four rows and three alone, against four
+            // columns and one): the naive sums, and `dot_gather`'s blocks of four bit for bit.
+            let cols = &many[2 * dim..7 * dim];
+            let mut cross = [0f32; 35];
+            dot_cross(dim, &many, &idx, cols, &mut cross);
+            for (i, &r) in idx.iter().enumerate() {
+                let row = &many[r as usize * dim..(r as usize + 1) * dim];
+                let mut quad = [0f32; 4];
+                dot_gather(row, cols, &[0, 1, 2, 3], &mut quad);
+                for j in 0..5 {
+                    let naive: f32 = row.iter().zip(&cols[j * dim..(j + 1) * dim]).map(|(x, y)| x * y).sum();
+                    assert!((cross[i * 5 + j] - naive).abs() < 1e-4);
+                    assert!(j == 4 || cross[i * 5 + j] == quad[j]);
+                }
+            }
             let mut acc = b.clone();
             add_scaled_rows(&[2.0, -1.0], &rows, &mut acc);
             assert!(acc.iter().zip(a.iter().zip(&b)).all(|(g, (x, y))| (g - (3.0 * y - x)).abs() < 1e-5));
+            // Blocks of four rows and a remainder sum in row order, as one row at a time does.
+            let coef: Vec<f32> = (0..6).map(|i| 0.3 * i as f32 - 0.7).collect();
+            let mut seq = b.clone();
+            for (&c, r) in coef.iter().zip(many.chunks_exact(dim)) {
+                seq.iter_mut().zip(r).for_each(|(o, x)| *o = c.mul_add(*x, *o));
+            }
+            let mut acc = b.clone();
+            add_scaled_rows(&coef, &many[..6 * dim], &mut acc);
+            assert_eq!(acc, seq);
             let mut qa = vec![0i8; dim];
             let mut qb = vec![0i8; dim];
             let sa = quantize_i8(&a, &mut qa);

@@ -18,6 +18,11 @@ const INSERT_COVER: usize = 16;
 const STEAL_CELLS: usize = 4;
 /// Cells the build's refinement round chooses among for each point.
 const REFINE_CHOICES: usize = 4;
+/// Most cells `descend` picks one scan at a time instead of ordering them.
+const SCAN_PICKS: usize = 8;
+/// Points per task of the build's grouped scoring: enough to share tiles (each chosen cell
+/// gets dozens), few enough that their keys stay in cache between descent and scoring.
+const BUILD_CHUNK: usize = 512;
 
 /// One cell: a parent (`owner`) and the points assigned to it, with their centroid kept as sums.
 #[derive(Clone, Default, Serialize, Deserialize)]
@@ -108,6 +113,59 @@ pub(super) struct Descent {
     scores: Vec<f32>,
     /// The scored cells of the target tier after a descent.
     pub cand: Vec<(f32, u32)>,
+}
+
+/// What a point's nearness to any route needs.
+#[derive(Clone, Copy)]
+struct Terms {
+    sq: f32,
+    extra: f32,
+    inv_c2: f32,
+    ip: bool,
+}
+
+impl Terms {
+    /// Minus the squared transformed distance to a route, from their dot product and the
+    /// route's squared norm and mean extra (larger is nearer).
+    #[inline(always)]
+    fn nearness(self, dot: f32, route_sq: f32, route_extra: f32) -> f32 {
+        let base = self.sq - 2.0 * dot + route_sq;
+        if self.ip {
+            let e = self.extra - route_extra;
+            -(base * self.inv_c2 + e * e)
+        } else {
+            -base
+        }
+    }
+}
+
+/// The cells one tier below a cell, with their routes laid out for `dot_cross`.
+struct Below {
+    cells: Vec<u32>,
+    routes: Vec<f32>,
+    sq: Vec<f32>,
+    extra: Vec<f32>,
+}
+
+/// Reusable buffers of one build task.
+#[derive(Default)]
+struct BuildScratch {
+    descent: Descent,
+    pairs: Vec<u64>,
+    slots: Vec<u32>,
+    dots: Vec<f32>,
+}
+
+/// Inserts `x` into `best` (best first) if it beats the last; ties keep the earlier.
+fn keep_best<const K: usize>(best: &mut [(f32, u32); K], x: (f32, u32)) {
+    if x.0 > best[K - 1].0 {
+        let mut j = K - 1;
+        while j > 0 && x.0 > best[j - 1].0 {
+            best[j] = best[j - 1];
+            j -= 1;
+        }
+        best[j] = x;
+    }
 }
 
 impl DciIndex {
@@ -317,22 +375,22 @@ impl DciIndex {
     /// once; the dot products run in blocks.
     fn route_nearness(&self, slot: u32) -> impl Fn(usize, &[u32], &mut [f32]) + '_ {
         let key = self.key(slot);
-        let sq = self.sq_norms[slot as usize];
-        let extra = self.extra(slot);
-        let inv_c2 = if self.c > 0.0 { 1.0 / (self.c * self.c) } else { 0.0 };
+        let terms = self.terms(slot);
         move |t, cells, out| {
             let tier = &self.tiers[t];
             simd::dot_gather(key, &tier.routes, cells, out);
             for (o, &c) in out.iter_mut().zip(cells) {
-                let base = sq - 2.0 * *o + tier.route_sq[c as usize];
-                *o = -match self.cfg.metric {
-                    Metric::L2 => base,
-                    Metric::InnerProduct => {
-                        let e = extra - tier.route_extra[c as usize];
-                        base * inv_c2 + e * e
-                    }
-                };
+                *o = terms.nearness(*o, tier.route_sq[c as usize], tier.route_extra[c as usize]);
             }
+        }
+    }
+
+    fn terms(&self, slot: u32) -> Terms {
+        Terms {
+            sq: self.sq_norms[slot as usize],
+            extra: self.extra(slot),
+            inv_c2: if self.c > 0.0 { 1.0 / (self.c * self.c) } else { 0.0 },
+            ip: self.cfg.metric == Metric::InnerProduct,
         }
     }
 
@@ -370,35 +428,44 @@ impl DciIndex {
             buf.cand.push((out[0], self.root));
             return;
         }
+        self.choose(target, &cover, &score, buf);
+        self.score_below(target + 1, &score, buf);
+    }
+
+    /// The steps of `descend` down to tier `target + 1` (`target` below the top): leaves in
+    /// `buf.chosen` the tier-`target + 1` cells whose members own the target-tier candidates.
+    fn choose(
+        &self,
+        target: usize,
+        cover: &impl Fn(usize) -> usize,
+        score: &impl Fn(usize, &[u32], &mut [f32]),
+        buf: &mut Descent,
+    ) {
         buf.chosen.clear();
         buf.chosen.push(self.root);
-        for t in (target + 1..=top).rev() {
+        for t in (target + 2..self.tiers.len()).rev() {
+            self.score_below(t, score, buf);
             let below = &self.tiers[t - 1];
-            buf.cells.clear();
-            for &c in &buf.chosen {
-                let members = &self.tiers[t].cells[c as usize].members;
-                buf.cells.extend(members.iter().map(|&m| below.owned_cell[m as usize]).filter(|&oc| oc != NONE));
-            }
-            buf.scores.resize(buf.cells.len(), 0.0);
-            score(t - 1, &buf.cells, &mut buf.scores);
-            buf.cand.clear();
-            buf.cand.extend(buf.scores.iter().copied().zip(buf.cells.iter().copied()));
-            if t - 1 == target {
-                return;
-            }
             let need = cover(t - 1);
             // Order only the head of the list: about `need / mean members` cells cover `need`.
             let mean = (below.num_members as f32 / below.live_cells() as f32).max(1.0);
             let head = ((need as f32 / mean).ceil() as usize * 2 + 2).min(buf.cand.len());
             let by_score = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0);
-            if head > 0 && head < buf.cand.len() {
-                buf.cand.select_nth_unstable_by(head - 1, by_score);
+            // A few picks (the build's case): a scan per pick is cheaper than ordering the head.
+            let scan = head <= SCAN_PICKS;
+            if !scan {
+                if head < buf.cand.len() {
+                    buf.cand.select_nth_unstable_by(head - 1, by_score);
+                }
+                buf.cand[..head].sort_unstable_by(by_score);
             }
-            buf.cand[..head].sort_unstable_by(by_score);
             buf.chosen.clear();
             let mut covered = 0;
             for i in 0..buf.cand.len() {
-                if i == head {
+                if scan && i < head {
+                    let best = (i + 1..buf.cand.len()).fold(i, |b, j| if buf.cand[j].0 > buf.cand[b].0 { j } else { b });
+                    buf.cand.swap(i, best);
+                } else if i == head {
                     // Rare: the head did not cover enough; order the rest too.
                     buf.cand[head..].sort_unstable_by(by_score);
                 }
@@ -410,6 +477,25 @@ impl DciIndex {
                 }
             }
         }
+    }
+
+    /// The tier-`t - 1` cells owned by members of tier-`t` cell `cell`.
+    fn cells_below(&self, t: usize, cell: u32) -> impl Iterator<Item = u32> + '_ {
+        let below = &self.tiers[t - 1];
+        let members = &self.tiers[t].cells[cell as usize].members;
+        members.iter().map(|&m| below.owned_cell[m as usize]).filter(|&oc| oc != NONE)
+    }
+
+    /// Scores the tier-`t - 1` cells below the chosen tier-`t` cells into `buf.cand`.
+    fn score_below(&self, t: usize, score: &impl Fn(usize, &[u32], &mut [f32]), buf: &mut Descent) {
+        buf.cells.clear();
+        for &c in &buf.chosen {
+            buf.cells.extend(self.cells_below(t, c));
+        }
+        buf.scores.resize(buf.cells.len(), 0.0);
+        score(t - 1, &buf.cells, &mut buf.scores);
+        buf.cand.clear();
+        buf.cand.extend(buf.scores.iter().copied().zip(buf.cells.iter().copied()));
     }
 
     /// The `want` tier-`t` cells whose routes are nearest to point `slot`, nearest first.
@@ -432,6 +518,63 @@ impl DciIndex {
         }
         cand.truncate(keep);
         cand
+    }
+
+    /// `near_cells(t, x, REFINE_CHOICES, BUILD_COVER)` for each of `points` (`t` below the top),
+    /// the same cells up to ties. Each point descends alone to the tier-`t + 1` cells it
+    /// chooses; then, a chunk of points at a time, the points that chose a cell are scored
+    /// together against the cells below it, in tiles that load each route once for many points
+    /// (one point at a time, every point reloads each of its candidate routes).
+    fn build_near(&self, t: usize, points: &[u32]) -> Vec<[u32; REFINE_CHOICES]> {
+        let d = self.cfg.dim;
+        let below: Vec<Below> = (0..self.tiers[t + 1].cells.len() as u32)
+            .map(|c| {
+                let cells: Vec<u32> = self.cells_below(t + 1, c).collect();
+                let tier = &self.tiers[t];
+                Below {
+                    routes: cells.iter().flat_map(|&b| tier.route(b, d)).copied().collect(),
+                    sq: cells.iter().map(|&b| tier.route_sq[b as usize]).collect(),
+                    extra: cells.iter().map(|&b| tier.route_extra[b as usize]).collect(),
+                    cells,
+                }
+            })
+            .collect();
+        let chunks: Vec<Vec<[u32; REFINE_CHOICES]>> = points
+            .par_chunks(BUILD_CHUNK)
+            .map_init(BuildScratch::default, |s, xs| {
+                // (chosen cell, point) pairs, sorted: a cell's points in a run, in point order.
+                s.pairs.clear();
+                for (i, &x) in xs.iter().enumerate() {
+                    self.choose(t, &|_| BUILD_COVER, &self.route_nearness(x), &mut s.descent);
+                    s.pairs.extend(s.descent.chosen.iter().map(|&c| (c as u64) << 32 | i as u64));
+                }
+                s.pairs.sort_unstable();
+                let mut best = vec![[(f32::NEG_INFINITY, NONE); REFINE_CHOICES]; xs.len()];
+                for run in s.pairs.chunk_by(|a, b| a >> 32 == b >> 32) {
+                    let b = &below[(run[0] >> 32) as usize];
+                    let nb = b.cells.len();
+                    if nb == 0 {
+                        continue;
+                    }
+                    s.slots.clear();
+                    s.slots.extend(run.iter().map(|&p| xs[p as u32 as usize]));
+                    s.dots.resize(s.slots.len() * nb, 0.0);
+                    simd::dot_cross(d, &self.keys, &s.slots, &b.routes, &mut s.dots);
+                    for ((&p, &x), row) in run.iter().zip(&s.slots).zip(s.dots.chunks_exact_mut(nb)) {
+                        let terms = self.terms(x);
+                        for ((o, &sq), &extra) in row.iter_mut().zip(&b.sq).zip(&b.extra) {
+                            *o = terms.nearness(*o, sq, extra);
+                        }
+                        let best = &mut best[p as u32 as usize];
+                        for (&score, &c) in row.iter().zip(&b.cells) {
+                            keep_best(best, (score, c));
+                        }
+                    }
+                }
+                best.iter().map(|b| b.map(|(_, c)| c)).collect()
+            })
+            .collect();
+        chunks.concat()
     }
 
     fn nearest_cell(&self, t: usize, slot: u32, cover: usize, buf: &mut Descent) -> u32 {
@@ -489,17 +632,7 @@ impl DciIndex {
             // Assign to the nearest owner, then once more to the nearest centroid (one Lloyd step:
             // tighter cells, so fewer of them cover a query's neighbours). The second round
             // only compares the few cells the first one found nearest.
-            let this = &*self;
-            let near: Vec<[u32; REFINE_CHOICES]> = others
-                .par_iter()
-                .map_init(Descent::default, |buf, &x| {
-                    let mut best = [NONE; REFINE_CHOICES];
-                    for (b, &(_, c)) in best.iter_mut().zip(this.near_cells(t, x, REFINE_CHOICES, BUILD_COVER, buf)) {
-                        *b = c;
-                    }
-                    best
-                })
-                .collect();
+            let near = self.build_near(t, &others);
             for (&x, cs) in others.iter().zip(&near) {
                 self.cell_push(t, cs[0], x, false);
             }
