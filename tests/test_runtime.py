@@ -519,9 +519,7 @@ def gemma3():
     pytest.importorskip("accelerate")
     from icecache import models
 
-    spec = models.MODELS["gemma3"]
-    path = models.default_cache_dir() / spec.filename
-    if not (path.is_file() and path.stat().st_size == spec.size):
+    if models.cached_gguf("gemma3") is None:
         pytest.skip("Gemma-3-270M GGUF not cached (python -m icecache.models gemma3 fetches it)")
     return models.load_model("gemma3")
 

