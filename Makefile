@@ -4,6 +4,9 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# torch's Linux wheels from PyPI bring ~5 GB of CUDA libraries; a pip cache would hold a second
+# copy of every wheel, which has run a CI machine out of disk.
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: demo test test-rust test-python test-wheel venv bench
 
