@@ -7,11 +7,12 @@ Measures, on this machine:
   ``benches/data/make_keys.py`` when present, replicated per head) and the Llama-3.1-8B shape
   (8 KV heads x 32k x 128, clustered synthetic keys), on 1 and 2 threads, reported per tree;
 * page selection for one Llama-shape layer: 32 query heads, 8 KV heads, 32k keys, 12 pages of
-  16 per KV head, on 2 threads;
+  16 per KV head, on 2 threads; once the same call back to back (warm caches), once cycling
+  over ``--layers`` such layers as a decode step does (each layer's index cold in cache);
 * bulk gather of the selected pages (K and V) into a staging buffer, against a single-core
   ``memcpy`` of the same bytes (NumPy ``copyto`` of one contiguous block).
 
-    python benches/bench_pages.py [--repeats 20] [--threads 1,2] [--out benches/out]
+    python benches/bench_pages.py [--repeats 20] [--threads 1,2] [--layers 12] [--out benches/out]
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts for build and select")
+    ap.add_argument("--layers", type=int, default=12, help="layers the cold-cache selection cycles over")
     ap.add_argument("--out", type=Path, default=Path("benches/out"))
     args = ap.parse_args(argv)
     thread_counts = [int(t) for t in args.threads.split(",")]
@@ -87,6 +89,26 @@ def main(argv=None) -> int:
         sel = timeit(lambda: forest.select(queries, 12), args.repeats * 5)
         rows.append(("select", "llama8b 32q/8kv 32k, 12 pages", threads, sel * 1e3, None, "ms"))
         print(f"select llama8b layer ({threads} threads): {sel*1e3:.3f} ms", file=sys.stderr)
+
+    # A decode step selects for every layer in turn, so each layer's index is cold in cache.
+    layers = [forest]
+    layer_queries = [queries]
+    for i in range(1, args.layers):
+        lk = clustered(8, 32768, 128, 100 + i)
+        layers.append(icecache.HeadForest(lk, seed=0, threads=thread_counts[-1]))
+        q = np.stack([lk[h // 4, rng.integers(0, lk.shape[1])] for h in range(32)]).astype(np.float32)
+        layer_queries.append(q + rng.normal(0, 0.5, q.shape).astype(np.float32))
+        del lk
+    times = []
+    for step in range(args.repeats + 1):
+        for f, q in zip(layers, layer_queries):
+            t = time.perf_counter()
+            f.select(q, 12)
+            times.append(time.perf_counter() - t)
+    cold = float(np.median(times[len(layers):]))
+    rows.append(("select, cold", f"llama8b layer, cycling {len(layers)} layers", thread_counts[-1], cold * 1e3, None, "ms"))
+    print(f"select llama8b layer cycling {len(layers)} layers: {cold*1e3:.3f} ms", file=sys.stderr)
+    del layers[1:]
 
     # Gather: the pages a step selects (12 per head), K and V, bf16 like a real cache.
     p = forest.max_pages()
@@ -113,7 +135,7 @@ def main(argv=None) -> int:
     header = (
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"python {platform.python_version()}, numpy {np.__version__}, icecache {icecache.__version__}; "
-        f"command: python benches/bench_pages.py --repeats {args.repeats} --threads {args.threads}"
+        f"command: python benches/bench_pages.py --repeats {args.repeats} --threads {args.threads} --layers {args.layers}"
     )
     print(header)
     print("| what | shape | threads | value | per tree / memcpy | unit |")

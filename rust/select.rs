@@ -54,8 +54,8 @@ impl HeadForest {
                     logits.extend(scored.iter().map(|&(s, _)| s * p.scale));
                     let total = simd::softmax_numerators(logits);
                     let mut w = vec![0f32; hp.pages.len()];
-                    for (&(_, id), &x) in scored.iter().zip(logits.iter()) {
-                        w[hp.token_page[id as usize].0 as usize] += x / total;
+                    for (&(_, page), &x) in scored.iter().zip(logits.iter()) {
+                        w[page as usize] += x / total;
                     }
                     w
                 },

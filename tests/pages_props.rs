@@ -30,8 +30,10 @@ fn forest(k: &[f32], heads: usize, dim: usize, page_size: usize) -> HeadForest {
     HeadForest::build(KeyData::F32(k), heads, cfg, page_size).unwrap()
 }
 
-/// Every token in exactly one page slot, pages within size, maps consistent.
+/// Every token in exactly one page slot, pages within size, maps consistent, every tree sound
+/// and every key tagged with its page.
 fn check_layout(f: &HeadForest) {
+    f.validate().unwrap();
     for h in 0..f.num_heads() {
         let map = f.token_map(h).unwrap();
         assert_eq!(map.len(), f.len());

@@ -25,6 +25,7 @@ mod tree;
 use std::collections::{HashMap, HashSet};
 
 use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
 use rand_distr::StandardNormal;
 use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::{Deserialize, Serialize};
@@ -168,6 +169,12 @@ pub struct DciIndex {
     /// Raw projections `k · u[..dim]`, `num_dirs` per slot.
     proj: Vec<f32>,
     ids: Vec<i64>,
+    /// A tag per slot that the index's owner sets (a `HeadForest` tags each key with its page;
+    /// 0 until set). Leaf cells keep a copy in member order, so a scan reads the tags of the
+    /// keys it scores sequentially, beside their codes, instead of one random lookup per key.
+    /// Not saved: only `HeadForest` sets tags, and it is not saved.
+    #[serde(skip)]
+    tags: Vec<u32>,
     /// Level of each slot; `FREE` for an unused slot.
     level: Vec<u8>,
     free_slots: Vec<u32>,
@@ -218,6 +225,7 @@ impl DciIndex {
             sq_norms: Vec::new(),
             proj: Vec::new(),
             ids: Vec::new(),
+            tags: Vec::new(),
             level: Vec::new(),
             free_slots: Vec::new(),
             id_map: HashMap::new(),
@@ -349,6 +357,7 @@ impl DciIndex {
         let f = std::mem::size_of::<f32>();
         let mut bytes = (self.keys.len() + self.sq_norms.len() + self.proj.len() + self.dirs.len()) * f
             + self.ids.len() * 8
+            + self.tags.len() * 4
             + self.level.len()
             + self.id_map.len() * 16;
         bytes += self.tiers.iter().map(|t| t.bytes()).sum::<usize>();
@@ -423,6 +432,35 @@ impl DciIndex {
         self.key(self.id_map[&id])
     }
 
+    /// Tags the point `id` (which must exist); scans report tags (`scan_scores`).
+    pub(crate) fn set_tag(&mut self, id: i64, tag: u32) {
+        let slot = self.id_map[&id] as usize;
+        self.tags[slot] = tag;
+        let leaves = &mut self.tiers[0];
+        let (cell, pos) = (leaves.member_cell[slot] as usize, leaves.member_pos[slot] as usize);
+        leaves.cells[cell].tags[pos] = tag;
+    }
+
+    /// The tag of the point `id` (which must exist).
+    pub(crate) fn tag_of(&self, id: i64) -> u32 {
+        self.tags[self.id_map[&id] as usize]
+    }
+
+    /// Tags every point with `tag(id)`; the leaf cells' copies are rebuilt in parallel.
+    pub(crate) fn set_tags(&mut self, tag: impl Fn(i64) -> u32 + Sync) {
+        let ids = &self.ids;
+        self.tags.par_iter_mut().zip(ids.par_iter()).zip(self.level.par_iter()).for_each(|((t, &id), &l)| {
+            *t = if l == FREE { 0 } else { tag(id) };
+        });
+        let tags = &self.tags;
+        if let Some(leaves) = self.tiers.first_mut() {
+            leaves.cells.par_iter_mut().filter(|c| c.live).for_each(|c| {
+                c.tags.clear();
+                c.tags.extend(c.members.iter().map(|&m| tags[m as usize]));
+            });
+        }
+    }
+
     /// The leaf cell that holds the point with this id (which must exist).
     pub(crate) fn leaf_cell_of(&self, id: i64) -> u32 {
         self.tiers[0].member_cell[self.id_map[&id] as usize]
@@ -472,12 +510,14 @@ impl DciIndex {
             self.sq_norms[i] = sq;
             self.proj[i * nd..(i + 1) * nd].copy_from_slice(&p);
             self.ids[i] = id;
+            self.tags[i] = 0;
             s
         } else {
             self.keys.extend_from_slice(key);
             self.sq_norms.push(sq);
             self.proj.extend_from_slice(&p);
             self.ids.push(id);
+            self.tags.push(0);
             self.level.push(FREE);
             for t in &mut self.tiers {
                 t.grow_slots(self.level.len());

@@ -76,6 +76,13 @@ impl DciIndex {
         }
         let mut index: DciIndex =
             bincode::deserialize(payload).map_err(|e| corrupt(&e.to_string()))?;
+        // Tags are not saved (see `DciIndex::tags`): every point loads untagged.
+        index.tags = vec![0; index.level.len()];
+        if let Some(leaves) = index.tiers.first_mut() {
+            for c in &mut leaves.cells {
+                c.tags = vec![0; c.members.len()];
+            }
+        }
         index.check_consistency(false).map_err(|why| corrupt(&why))?;
         index.id_map = index
             .level
@@ -101,6 +108,7 @@ impl DciIndex {
             && self.sq_norms.len() == slots
             && self.proj.len() == slots * nd
             && self.ids.len() == slots
+            && self.tags.len() == slots
             && self.level.iter().filter(|&&l| l != FREE).count() == self.len
             && self.free_slots.iter().all(|&s| (s as usize) < slots)
             && (self.shift.is_empty() || self.shift.len() == d)
@@ -133,6 +141,7 @@ impl DciIndex {
                     && (t > 0
                         || (c.codes.len() == c.members.len() * d
                             && c.scales.len() == c.members.len()
+                            && c.tags.len() == c.members.len()
                             && c.sorted.len() == nd
                             && c.sorted.iter().all(|a| a.len() == c.members.len())));
                 if !fine {
@@ -218,6 +227,9 @@ impl DciIndex {
                         let s = self.code_of(m, &mut code);
                         if code[..] != c.codes[p * d..(p + 1) * d] || s != c.scales[p] {
                             return Err(format!("code of slot {m} is stale"));
+                        }
+                        if c.tags[p] != self.tags[m as usize] {
+                            return Err(format!("tag of slot {m} is stale in its leaf cell"));
                         }
                     }
                     for (j, arr) in c.sorted.iter().enumerate() {

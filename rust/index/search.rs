@@ -152,7 +152,8 @@ impl DciIndex {
 
     /// Inner products of `q` with the keys a search looks at: every key the first pass scans
     /// (int8 estimates; at least `pool` keys) or, with `exact`, every key exactly. Appends
-    /// `(q · k, id)` to `out`. Inner-product indexes only (what attention needs).
+    /// `(q · k, tag)` to `out` (see `DciIndex::tags`). Inner-product indexes only (what
+    /// attention needs).
     pub(crate) fn scan_scores(
         &self,
         q: &[f32],
@@ -160,30 +161,37 @@ impl DciIndex {
         effort: f32,
         exact: bool,
         s: &mut Scratch,
-        out: &mut Vec<(f32, i64)>,
+        out: &mut Vec<(f32, u32)>,
     ) {
         debug_assert_eq!(self.cfg.metric, Metric::InnerProduct);
         if exact {
             self.exact_candidates(q, s);
             out.extend(s.cand.iter().map(|&p| {
                 let (v, slot) = unpack(p);
-                (v, self.ids[slot as usize])
+                (v, self.tags[slot as usize])
             }));
             return;
         }
-        self.first_pass(q, pool, effort, s);
         // Codes are relative to `code_center`: add back its (constant) share of the score.
         let shift = simd::dot(q, &self.code_center);
-        out.extend(s.cand.iter().map(|&p| {
-            let (v, slot) = unpack(p);
-            (v + shift, self.ids[slot as usize])
-        }));
+        self.scan_view(q, pool, effort, s, |v, _, tag| out.push((v + shift, tag)));
     }
 
     /// Beam descent to the best leaf cells and an int8 pass over their members: fills
     /// `s.cand` with packed `(approximate rank, slot)`. The field of view covers at least `pool`
     /// keys.
     fn first_pass(&self, q: &[f32], pool: usize, effort: f32, s: &mut Scratch) {
+        let mut cand = std::mem::take(&mut s.cand);
+        cand.clear();
+        self.scan_view(q, pool, effort, s, |v, slot, _| cand.push(pack(self.rank(v, slot), slot)));
+        s.cand = cand;
+    }
+
+    /// Beam descent to the best leaf cells, then int8 estimates of `q · k` (relative to
+    /// `code_center`) for the keys in view: every member of a small cell, P-DCI's picks in a
+    /// large one. Calls `emit(estimate, slot, tag)` for each, cell by cell. The field of view
+    /// covers at least `pool` keys.
+    fn scan_view(&self, q: &[f32], pool: usize, effort: f32, s: &mut Scratch, mut emit: impl FnMut(f32, u32, u32)) {
         let d = self.cfg.dim;
         let top = self.tiers.len() - 1;
         let leaves = &self.tiers[0];
@@ -213,7 +221,6 @@ impl DciIndex {
         // First pass: int8 scores, streamed cell by cell.
         s.qcode.resize(d, 0);
         let qscale = simd::quantize_i8(q, &mut s.qcode);
-        s.cand.clear();
         for &(_, cell) in cells.iter() {
             let c = &leaves.cells[cell as usize];
             let n = c.members.len();
@@ -228,13 +235,12 @@ impl DciIndex {
                 for &pos in &s.picked {
                     let p = pos as usize;
                     simd::dot_rows_i8(&s.qcode, &c.codes[p * d..(p + 1) * d], &mut s.dots[..1]);
-                    let approx = s.dots[0] as f32 * qscale * c.scales[p];
-                    s.cand.push(pack(self.rank(approx, c.members[p]), c.members[p]));
+                    emit(s.dots[0] as f32 * qscale * c.scales[p], c.members[p], c.tags[p]);
                 }
             } else {
                 simd::dot_rows_i8(&s.qcode, &c.codes, &mut s.dots);
-                for ((&dot, &scale), &slot) in s.dots.iter().zip(&c.scales).zip(&c.members) {
-                    s.cand.push(pack(self.rank(dot as f32 * qscale * scale, slot), slot));
+                for (((&dot, &scale), &slot), &tag) in s.dots.iter().zip(&c.scales).zip(&c.members).zip(&c.tags) {
+                    emit(dot as f32 * qscale * scale, slot, tag);
                 }
             }
         }

@@ -40,6 +40,9 @@ pub(super) struct Cell {
     pub scales: Vec<f32>,
     /// Tier 0 only: per P-DCI direction, `(projection, slot)` sorted by projection.
     pub sorted: Vec<Vec<(f32, u32)>>,
+    /// Tier 0 only: the members' tags (`DciIndex::tags`), in member order.
+    #[serde(skip)]
+    pub tags: Vec<u32>,
 }
 
 /// All cells of one tier, plus the per-slot maps into them.
@@ -93,6 +96,7 @@ impl Tier {
                     + c.codes.capacity()
                     + c.scales.capacity() * 4
                     + c.sorted.iter().map(|s| s.capacity() * 8).sum::<usize>()
+                    + c.tags.capacity() * 4
                     + std::mem::size_of::<Cell>()
             })
             .sum();
@@ -229,6 +233,7 @@ impl DciIndex {
             let c = &mut self.tiers[0].cells[cell as usize];
             c.codes.extend_from_slice(&code);
             c.scales.push(scale);
+            c.tags.push(self.tags[slot as usize]);
             for j in 0..self.cfg.num_dirs() {
                 let p = self.key_proj(slot, j);
                 let arr = &mut self.tiers[0].cells[cell as usize].sorted[j];
@@ -279,6 +284,7 @@ impl DciIndex {
             }
             c.codes.truncate(last * d);
             c.scales.swap_remove(pos);
+            c.tags.swap_remove(pos);
             for (arr, p) in c.sorted.iter_mut().zip(projs) {
                 let mut at = arr.partition_point(|e| e.0 < p);
                 while arr[at].1 != slot {
@@ -323,6 +329,8 @@ impl DciIndex {
             for (code, &m) in c.codes.chunks_exact_mut(d).zip(&c.members) {
                 c.scales.push(this.code_of(m, code));
             }
+            c.tags.clear();
+            c.tags.extend(c.members.iter().map(|&m| this.tags[m as usize]));
             let mut packed = Vec::with_capacity(c.members.len());
             c.sorted = (0..nd)
                 .map(|j| {
@@ -600,6 +608,7 @@ impl DciIndex {
         self.proj.par_chunks_mut(nd).zip(keys.par_chunks_exact(d)).for_each(|(p, k)| simd::dot_rows(k, &dirs, p));
         self.code_center = super::mean_row(keys, d);
         self.ids = ids.to_vec();
+        self.tags = vec![0; n];
         self.id_map = ids.iter().enumerate().map(|(s, &id)| (id, s as u32)).collect();
         self.free_slots.clear();
         self.len = n;

@@ -145,6 +145,21 @@ impl HeadForest {
         Ok(&self.head(head)?.token_page)
     }
 
+    /// Checks each head's tree invariants and that every key is tagged with its page (what
+    /// selection reads); `Err` names the first one broken. Meant for tests: it walks everything.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        for (h, hp) in self.heads.iter().enumerate() {
+            hp.index.validate().map_err(|e| format!("head {h}: {e}"))?;
+            for (t, &(page, _)) in hp.token_page.iter().enumerate() {
+                let tag = hp.index.tag_of(t as i64);
+                if tag != page {
+                    return Err(format!("head {h}: token {t} lives in page {page} but is tagged {tag}"));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn head(&self, head: usize) -> Result<&HeadPages> {
         self.heads
             .get(head)
@@ -306,6 +321,8 @@ impl HeadPages {
                 hp.add_page(cell, g, &key);
             }
         }
+        let token_page = &hp.token_page;
+        hp.index.set_tags(|id| token_page[id as usize].0);
         Ok(hp)
     }
 
@@ -332,6 +349,13 @@ impl HeadPages {
             self.pages[id as usize] = tokens;
         } else {
             self.pages.push(tokens);
+        }
+    }
+
+    /// Tags each token of `page` with it in the index: selection reads pages off its scans.
+    fn tag_page(&mut self, page: u32) {
+        for &t in &self.pages[page as usize] {
+            self.index.set_tag(t as i64, page);
         }
     }
 
@@ -366,6 +390,7 @@ impl HeadPages {
                 let slot = self.pages[p as usize].len() as u32;
                 self.pages[p as usize].push(pos);
                 self.token_page[pos as usize] = (p, slot);
+                self.index.set_tag(pos as i64, p);
                 self.page_sum[p as usize * d..(p as usize + 1) * d].iter_mut().zip(key).for_each(|(a, b)| *a += b);
                 store.write(p, slot, kv.0, kv.1);
                 changed.push(p);
@@ -390,6 +415,7 @@ impl HeadPages {
                 self.set_page(full, first, &key_ref);
                 let new = self.add_page(cell, second, &key_ref);
                 for page in [full, new] {
+                    self.tag_page(page);
                     store.clear_page(page);
                     for (slot, &t) in self.pages[page as usize].iter().enumerate() {
                         let (k, v) = match old_slot.get(&t) {
@@ -403,6 +429,7 @@ impl HeadPages {
             }
             (None, None) => {
                 let p = self.add_page(cell, vec![pos], &|_| key);
+                self.index.set_tag(pos as i64, p);
                 store.write(p, 0, kv.0, kv.1);
                 changed.push(p);
             }
