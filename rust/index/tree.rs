@@ -161,9 +161,10 @@ struct BuildScratch {
 }
 
 /// Inserts `x` into `best` (best first) if it beats the last; ties keep the earlier.
-fn keep_best<const K: usize>(best: &mut [(f32, u32); K], x: (f32, u32)) {
-    if x.0 > best[K - 1].0 {
-        let mut j = K - 1;
+fn keep_best(best: &mut [(f32, u32)], x: (f32, u32)) {
+    let Some(last) = best.len().checked_sub(1) else { return };
+    if x.0 > best[last].0 {
+        let mut j = last;
         while j > 0 && x.0 > best[j - 1].0 {
             best[j] = best[j - 1];
             j -= 1;
@@ -515,14 +516,7 @@ impl DciIndex {
         cand[..keep].sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
         for i in keep..cand.len() {
             let x = cand[i];
-            let mut j = keep;
-            while j > 0 && x.0 > cand[j - 1].0 {
-                j -= 1;
-            }
-            if j < keep {
-                cand.copy_within(j..keep - 1, j + 1);
-                cand[j] = x;
-            }
+            keep_best(&mut cand[..keep], x);
         }
         cand.truncate(keep);
         cand
