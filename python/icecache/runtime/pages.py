@@ -37,6 +37,18 @@ def headroom(pages: int) -> int:
     return pages + max(64, pages // 4)
 
 
+def _grow(owner, need: int, keep: int) -> None:
+    """Reallocate ``owner.k`` and ``owner.v`` with room for at least ``need`` entries along
+    dim 1 (and half again as many as now, so repeated growth stays amortised), keeping the
+    first ``keep``."""
+    size = max(need, owner.k.shape[1] + owner.k.shape[1] // 2)
+    for name in ("k", "v"):
+        old = getattr(owner, name)
+        new = old.new_empty(old.shape[0], size, *old.shape[2:])
+        new[:, :keep] = old[:, :keep]
+        setattr(owner, name, new)
+
+
 class PageStore:
     """K and V pages of one layer of one sequence in CPU memory: ``[H_kv, P, S, D]`` each.
 
@@ -56,14 +68,8 @@ class PageStore:
 
     def reserve(self, pages: int) -> None:
         """Make room for at least ``pages`` pages per head, keeping the contents."""
-        if pages <= self.pages:
-            return
-        size = max(pages, self.pages + self.pages // 2)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = torch.empty(old.shape[0], size, *old.shape[2:], dtype=old.dtype)
-            new[:, : old.shape[1]] = old
-            setattr(self, name, new)
+        if pages > self.pages:
+            _grow(self, pages, self.pages)
 
     def views(self) -> Tuple[np.ndarray, np.ndarray]:
         """NumPy views of the K and V stores (invalidated by :meth:`reserve`)."""
@@ -82,12 +88,7 @@ class History:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         m = k.shape[1]
         if self.n + m > self.k.shape[1]:
-            size = max(headroom(self.n + m), self.k.shape[1] + self.k.shape[1] // 2)
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = torch.empty(old.shape[0], size, old.shape[2], dtype=old.dtype)
-                new[:, : self.n] = old[:, : self.n]
-                setattr(self, name, new)
+            _grow(self, headroom(self.n + m), self.n)
         self.k[:, self.n : self.n + m] = k
         self.v[:, self.n : self.n + m] = v
         self.n += m
