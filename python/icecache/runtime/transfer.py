@@ -39,7 +39,7 @@ class Staging:
         self._buffers: list = [None, None]
         self._events: list = [None, None]
         self._turn = 0  # buffer that the next begin() call fills
-        self._layout: Optional[tuple] = None  # (buffer, meta_len, rows_at, n, page_size, dim, dtype)
+        self._layout: Optional[tuple] = None  # (buffer, meta_len, rows_at, end, rows shape, dtype)
 
     def begin(self, meta_len: int, n: int, page_size: int, dim: int, dtype: torch.dtype,
               ) -> Tuple[np.ndarray, torch.Tensor, torch.Tensor]:
@@ -57,24 +57,24 @@ class Staging:
         if buf is None or buf.numel() < need:
             size = max(need, 2 * buf.numel()) if buf is not None else need
             buf = self._buffers[i] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        self._layout = (i, meta_len, rows_at, n, page_size, dim, dtype)
+        shape = (2, n, page_size, dim)
+        self._layout = (i, meta_len, rows_at, need, shape, dtype)
         meta = buf[: meta_len * 4].numpy().view(np.int32)
-        rows = buf[rows_at : rows_at + 2 * row_bytes].view(dtype).view(2, n, page_size, dim)
+        rows = buf[rows_at:need].view(dtype).view(shape)
         return meta, rows[0], rows[1]
 
     def upload(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Copy what :meth:`begin` handed out to the device in one transfer; returns
         ``(meta [meta_len] int32, rows [2, n, S, D])`` on the device."""
-        i, meta_len, rows_at, n, page_size, dim, dtype = self._layout
-        row_bytes = n * page_size * dim * dtype.itemsize
-        flat = self._buffers[i][: rows_at + 2 * row_bytes]
+        i, meta_len, rows_at, end, shape, dtype = self._layout
+        flat = self._buffers[i][:end]
         if self.pin:
             flat = flat.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             self._events[i] = event
         meta = flat[: meta_len * 4].view(torch.int32)
-        rows = flat[rows_at:].view(dtype).view(2, n, page_size, dim)
+        rows = flat[rows_at:].view(dtype).view(shape)
         return meta, rows
 
     def nbytes(self) -> int:
