@@ -219,9 +219,14 @@ def cached_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLik
         ValueError: ``name`` is unknown.
     """
     spec = _spec(name)
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = cache / spec.filename
+    target = _gguf_path(spec, cache_dir)
     return target if target.is_file() and target.stat().st_size == spec.size else None
+
+
+def _gguf_path(spec: GGUFModelSpec, cache_dir: Optional[Union[str, os.PathLike]]) -> Path:
+    """Where the GGUF of ``spec`` lives in ``cache_dir`` (default :func:`default_cache_dir`)."""
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return cache / spec.filename
 
 
 def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
@@ -254,8 +259,7 @@ def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike
     if cached is not None:
         return cached
     spec = _spec(name)
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = cache / spec.filename
+    target = _gguf_path(spec, cache_dir)
 
     sources = spec.parts or (spec,)
     with atomic_file(target) as part:
