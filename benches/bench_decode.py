@@ -46,13 +46,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)
 
+    import icecache
     import torch
     import transformers
-    from transformers import DynamicCache
-
-    import icecache
     from icecache import models, texts
     from icecache.runtime import IceCache, IceCacheConfig, enable
+    from transformers import DynamicCache
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,13 +78,19 @@ def main(argv=None) -> int:
             runs[f"IceCache {b}"].append((t, copy.deepcopy(cache.stats)))
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
 
-    print(f"machine: {platform.machine()}, torch threads {torch.get_num_threads()}; python "
-          f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"icecache {icecache.__version__}")
-    print(f"command: python benches/bench_decode.py --tokens {args.tokens} --steps {args.steps} "
-          f"--budgets {' '.join(map(str, args.budgets))} --repeats {args.repeats}")
-    print(f"SmolLM2-135M, {ids.shape[1] - 1}-token context, {args.steps} decode steps, median of "
-          f"{args.repeats} interleaved repeats; ms per token")
+    print(
+        f"machine: {platform.machine()}, torch threads {torch.get_num_threads()}; python "
+        f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"icecache {icecache.__version__}"
+    )
+    print(
+        f"command: python benches/bench_decode.py --tokens {args.tokens} --steps {args.steps} "
+        f"--budgets {' '.join(map(str, args.budgets))} --repeats {args.repeats}"
+    )
+    print(
+        f"SmolLM2-135M, {ids.shape[1] - 1}-token context, {args.steps} decode steps, median of "
+        f"{args.repeats} interleaved repeats; ms per token"
+    )
     print("| cache | total | selection | gather | copy | attention | rest of model |")
     print("|---|---|---|---|---|---|---|")
     for name, rs in runs.items():
@@ -95,8 +100,10 @@ def main(argv=None) -> int:
             continue
         per = lambda f: statistics.median(f(s) / args.steps for _, s in rs) * 1e3  # noqa: E731
         sel, gat, cp, att = (per(lambda s, k=k: getattr(s, k)) for k in ("select_s", "gather_s", "copy_s", "attend_s"))
-        print(f"| {name} | {total:.1f} | {sel:.2f} | {gat:.2f} | {cp:.2f} | {att:.2f} | "
-              f"{total - sel - gat - cp - att:.1f} |")
+        print(
+            f"| {name} | {total:.1f} | {sel:.2f} | {gat:.2f} | {cp:.2f} | {att:.2f} | "
+            f"{total - sel - gat - cp - att:.1f} |"
+        )
     return 0
 
 

@@ -52,11 +52,24 @@ def llama8b_config(layers: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     )
 
 
@@ -65,9 +78,17 @@ def smollm2_config(layers: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=65536,
-        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=65536,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
     )
 
 
@@ -87,7 +108,8 @@ def bench_attention(module, query, key, value, attention_mask, **kwargs):
         import flashinfer
 
         out = flashinfer.single_decode_with_kv_cache(
-            query[0, :, 0], key[0], value[0], kv_layout="HND", sm_scale=kwargs.get("scaling"))
+            query[0, :, 0], key[0], value[0], kv_layout="HND", sm_scale=kwargs.get("scaling")
+        )
         return out[None, None], None
     return icecache_attention(module, query, key, value, attention_mask, **kwargs)
 
@@ -96,7 +118,6 @@ def flashinfer_smoke() -> str:
     """'' if FlashInfer's path matches the torch reference on a small case, else the error."""
     import numpy as np
     import torch
-
     from icecache.attend import flashinfer as fi
     from icecache.attend import sparse_decode_attention
 
@@ -114,12 +135,23 @@ def flashinfer_smoke() -> str:
         sl, wl = np.array([sk], np.int32), np.array([17], np.int32)
         indptr, idx = fi.token_lists(table, plen, sl, wl, C, S, sk, w)
         dec = fi.FlashInferDecode(torch.device("cuda"))
-        got = dec.run(q, kv_k, kv_v, torch.from_numpy(indptr).cuda(), torch.from_numpy(idx).cuda(), D ** -0.5)
+        got = dec.run(q, kv_k, kv_v, torch.from_numpy(indptr).cuda(), torch.from_numpy(idx).cuda(), D**-0.5)
         P = C * S
         t = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
-        ref = sparse_decode_attention(q.float(), kv_k[:, :, P:P + sk].float(), kv_v[:, :, P:P + sk].float(), t(sl),
-                                      kv_k[:, :, :P].view(B, H, C, S, D).float(), kv_v[:, :, :P].view(B, H, C, S, D).float(),
-                                      t(table), t(plen), kv_k[:, :, P + sk:].float(), kv_v[:, :, P + sk:].float(), t(wl), D ** -0.5)
+        ref = sparse_decode_attention(
+            q.float(),
+            kv_k[:, :, P : P + sk].float(),
+            kv_v[:, :, P : P + sk].float(),
+            t(sl),
+            kv_k[:, :, :P].view(B, H, C, S, D).float(),
+            kv_v[:, :, :P].view(B, H, C, S, D).float(),
+            t(table),
+            t(plen),
+            kv_k[:, :, P + sk :].float(),
+            kv_v[:, :, P + sk :].float(),
+            t(wl),
+            D**-0.5,
+        )
         rel = ((got.float() - ref).norm() / ref.norm()).item()
         # Compile the full-cache baseline's kernel too, outside any timing.
         import flashinfer
@@ -137,29 +169,39 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--profile-steps", type=int, default=8)
-    ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES),
-                    help="llama8b: Llama-3.1-8B (32 layers); smollm2: SmolLM2-135M (30 layers), quick")
+    ap.add_argument(
+        "--shape",
+        default="llama8b",
+        choices=sorted(SHAPES),
+        help="llama8b: Llama-3.1-8B (32 layers); smollm2: SmolLM2-135M (30 layers), quick",
+    )
     ap.add_argument("--layers", type=int, default=None, help="default: the shape's")
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--threads", type=int, default=None, help="IceCacheConfig.threads (default: all cores)")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     ap.add_argument("--time-limit", type=float, default=1e9, help="skip contexts started after this many s")
-    ap.add_argument("--variants", nargs="+", default=["full", "ice", "ice3"],
-                    help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode; "
-                         "ice: IceCache; ice3: IceCache reuse=3")
-    ap.add_argument("--cprofile", type=int, default=0,
-                    help="also profile this many steps of each IceCache variant (host time by function)")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["full", "ice", "ice3"],
+        help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode; ice: IceCache; ice3: IceCache reuse=3",
+    )
+    ap.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        help="also profile this many steps of each IceCache variant (host time by function)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     start = time.perf_counter()
 
+    import icecache
     import torch
     import transformers
-    from transformers import DynamicCache, LlamaForCausalLM
-
-    import icecache
     from icecache._util import register_attention
     from icecache.runtime import IceCache, IceCacheConfig, RuntimeStats, enable
+    from transformers import DynamicCache, LlamaForCausalLM
 
     log_lines = []
 
@@ -246,10 +288,12 @@ def main(argv=None) -> int:
             continue
         ids = torch.randint(0, cfg.vocab_size, (1, n), device="cuda")
         variants = {}
-        makers = {"full": ("full (SDPA)", lambda: DynamicCache(config=model.config)),
-                  "fullfi": ("full (FlashInfer)", full_flashinfer),
-                  "ice": ("IceCache", lambda: make_ice(1)),
-                  "ice3": ("IceCache reuse=3", lambda: make_ice(3))}
+        makers = {
+            "full": ("full (SDPA)", lambda: DynamicCache(config=model.config)),
+            "fullfi": ("full (FlashInfer)", full_flashinfer),
+            "ice": ("IceCache", lambda: make_ice(1)),
+            "ice3": ("IceCache reuse=3", lambda: make_ice(3)),
+        }
         if "fullfi" in args.variants and attention != "flashinfer":
             makers.pop("fullfi")
             log("no FlashInfer: full (FlashInfer) variant skipped")
@@ -270,7 +314,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             names = list(variants)
             for rep in range(args.repeats):
-                order = names[rep % len(names):] + names[: rep % len(names)]
+                order = names[rep % len(names) :] + names[: rep % len(names)]
                 for name in order:
                     v = variants[name]
                     for _ in range(args.steps):
@@ -278,8 +322,12 @@ def main(argv=None) -> int:
                         v["tok"] = step(v["cache"], v["tok"])
                         torch.cuda.synchronize()
                         v["steps"].append(time.perf_counter() - t)
-                log(f"{n}: round {rep + 1}: " + ", ".join(
-                    f"{k} {statistics.median(variants[k]['steps'][-args.steps:]) * 1e3:.1f} ms" for k in names))
+                log(
+                    f"{n}: round {rep + 1}: "
+                    + ", ".join(
+                        f"{k} {statistics.median(variants[k]['steps'][-args.steps :]) * 1e3:.1f} ms" for k in names
+                    )
+                )
             # Breakdown pass (device-synced stage boundaries).
             for name, v in variants.items():
                 cache = v["cache"]
@@ -294,14 +342,18 @@ def main(argv=None) -> int:
                 v["profile_total"] = (time.perf_counter() - t) / args.profile_steps
                 cache.runtime.sync_timing = False
                 s = cache.stats
-                v["breakdown"] = {k: getattr(s, k) / args.profile_steps for k in ("select_s", "gather_s", "copy_s", "attend_s")}
+                v["breakdown"] = {
+                    k: getattr(s, k) / args.profile_steps for k in ("select_s", "gather_s", "copy_s", "attend_s")
+                }
                 v["pages_loaded"] = s.pages_loaded / args.profile_steps
                 v["pages_selected"] = s.pages_selected / args.profile_steps
             for name, v in variants.items() if args.cprofile else ():
+
                 def steps():
                     for _ in range(args.cprofile):
                         v["tok"] = step(v["cache"], v["tok"])
                     torch.cuda.synchronize()
+
                 profiled(f"{n}: {name}: {args.cprofile} decode steps", steps)
         for name, v in variants.items():
             cache = v["cache"]
@@ -309,11 +361,19 @@ def main(argv=None) -> int:
                 nb = cache.nbytes()
             else:
                 nb = {"device": sum(2 * l.keys.numel() * l.keys.element_size() for l in cache.layers), "host": 0}
-            row = dict(context=n, variant=name, ttft_s=v["ttft"], ttst_s=v["ttst"],
-                       tpot_ms=statistics.median(v["steps"]) * 1e3,
-                       tpot_ms_per_round=[statistics.median(v["steps"][i * args.steps:(i + 1) * args.steps]) * 1e3
-                                          for i in range(args.repeats)],
-                       device_kv_bytes=nb["device"], host_bytes=nb["host"])
+            row = dict(
+                context=n,
+                variant=name,
+                ttft_s=v["ttft"],
+                ttst_s=v["ttst"],
+                tpot_ms=statistics.median(v["steps"]) * 1e3,
+                tpot_ms_per_round=[
+                    statistics.median(v["steps"][i * args.steps : (i + 1) * args.steps]) * 1e3
+                    for i in range(args.repeats)
+                ],
+                device_kv_bytes=nb["device"],
+                host_bytes=nb["host"],
+            )
             for k in ("breakdown", "profile_total", "pages_loaded", "pages_selected", "index_wait_s"):
                 if k in v:
                     row[k] = v[k]
@@ -322,14 +382,19 @@ def main(argv=None) -> int:
         del variants
         torch.cuda.empty_cache()
 
-    head = (f"H200 ({torch.cuda.get_device_name()}), torch {torch.__version__}, transformers "
-            f"{transformers.__version__}, icecache {icecache.__version__}; {args.shape} shape "
-            f"({args.layers} layers), random bf16 weights, batch 1; budget {args.budget} (page 16, "
-            f"sink 16, window 32, 2 full layers); IceCache attention: {attention}; TPOT median of "
-            f"{args.repeats}x{args.steps} interleaved steps after {args.warmup} warm-up steps")
-    lines = [head, "",
-             "| context | variant | TTST s | x full | index wait s | TPOT ms | x full | synced pass ms | select | gather | copy | attention | rest | pages loaded/tok | device KV MB | host MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    head = (
+        f"H200 ({torch.cuda.get_device_name()}), torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, icecache {icecache.__version__}; {args.shape} shape "
+        f"({args.layers} layers), random bf16 weights, batch 1; budget {args.budget} (page 16, "
+        f"sink 16, window 32, 2 full layers); IceCache attention: {attention}; TPOT median of "
+        f"{args.repeats}x{args.steps} interleaved steps after {args.warmup} warm-up steps"
+    )
+    lines = [
+        head,
+        "",
+        "| context | variant | TTST s | x full | index wait s | TPOT ms | x full | synced pass ms | select | gather | copy | attention | rest | pages loaded/tok | device KV MB | host MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         # "x full": against the faster full-cache run (SDPA or FlashInfer) of the same context.
         fulls = [x for x in results if x["context"] == r["context"] and x["variant"].startswith("full")]
@@ -339,13 +404,17 @@ def main(argv=None) -> int:
         if "breakdown" in r:
             b = {k: v * 1e3 for k, v in r["breakdown"].items()}
             p = r["profile_total"] * 1e3
-            parts = (f"{p:.1f} | {b['select_s']:.2f} | {b['gather_s']:.2f} | {b['copy_s']:.2f} | "
-                     f"{b['attend_s']:.2f} | {p - sum(b.values()):.1f} | {r['pages_loaded']:.0f}")
+            parts = (
+                f"{p:.1f} | {b['select_s']:.2f} | {b['gather_s']:.2f} | {b['copy_s']:.2f} | "
+                f"{b['attend_s']:.2f} | {p - sum(b.values()):.1f} | {r['pages_loaded']:.0f}"
+            )
         else:
             parts = "- | - | - | - | - | - | -"
-        lines.append(f"| {r['context']} | {r['variant']} | {r['ttst_s']:.2f} | {ttst_ratio:.2f} | {wait} | "
-                     f"{r['tpot_ms']:.1f} | {ratio:.2f} | "
-                     f"{parts} | {r['device_kv_bytes'] / 2**20:.0f} | {r['host_bytes'] / 2**20:.0f} |")
+        lines.append(
+            f"| {r['context']} | {r['variant']} | {r['ttst_s']:.2f} | {ttst_ratio:.2f} | {wait} | "
+            f"{r['tpot_ms']:.1f} | {ratio:.2f} | "
+            f"{parts} | {r['device_kv_bytes'] / 2**20:.0f} | {r['host_bytes'] / 2**20:.0f} |"
+        )
     table = "\n".join(lines)
     print(table, flush=True)
     if args.out:

@@ -53,6 +53,7 @@ import numpy as np  # noqa: E402
 try:
     from tqdm import tqdm
 except ImportError:  # progress is optional
+
     def tqdm(it=None, **_kw):
         return it
 
@@ -217,8 +218,12 @@ def bench_dci(ds, truth, args, n_build):
     for e in args.efforts:
         lat = time_single_queries(lambda q: idx.query(q, k, effort=e), queries, f"DCI effort={e}")
         qps, (found, _) = time_batch(lambda q: idx.query(q, k, effort=e), queries)
-        rows.append(row(ds, "DCIIndex", f"effort={e:g}", lat=lat, qps=qps, found=found, truth=truth, k=k, **common, **extra))
-        log(f"  effort={e:g}: {lat[0]:.1f} µs, R@10 {rows[-1]['recall_at_10']:.3f}, R@{k} {rows[-1]['recall_at_k']:.3f}")
+        rows.append(
+            row(ds, "DCIIndex", f"effort={e:g}", lat=lat, qps=qps, found=found, truth=truth, k=k, **common, **extra)
+        )
+        log(
+            f"  effort={e:g}: {lat[0]:.1f} µs, R@10 {rows[-1]['recall_at_10']:.3f}, R@{k} {rows[-1]['recall_at_k']:.3f}"
+        )
     lat = time_single_queries(lambda q: idx.query(q, k, exact=True), queries, "DCI exact")
     qps, (found, _) = time_batch(lambda q: idx.query(q, k, exact=True), queries)
     rows.append(row(ds, "DCIIndex", "exact=True", lat=lat, qps=qps, found=found, truth=truth, k=k, **common, **extra))
@@ -245,8 +250,22 @@ def bench_numpy(ds, truth, args):
     log(f"[{ds['name']}] NumPy exact scan")
     lat = time_single_queries(single, queries, "numpy exact")
     qps, found = time_batch(batch, queries)
-    return [row(ds, "numpy", "exact scan", build_s=0.0, build_n=len(keys), insert_per_s=None, n_insert=0,
-                lat=lat, qps=qps, found=found, truth=truth, k=k)]
+    return [
+        row(
+            ds,
+            "numpy",
+            "exact scan",
+            build_s=0.0,
+            build_n=len(keys),
+            insert_per_s=None,
+            n_insert=0,
+            lat=lat,
+            qps=qps,
+            found=found,
+            truth=truth,
+            k=k,
+        )
+    ]
 
 
 def l2_transform(keys, queries):
@@ -294,8 +313,21 @@ def bench_hnsw(ds, truth, args, n_build, space):
         lat = time_single_queries(lambda q: p.knn_query(q, k=k, num_threads=1), queries, f"{name} ef={ef}")
         qps, (labels, _) = time_batch(lambda q: p.knn_query(q, k=k, num_threads=1), queries)
         found = labels.astype(np.int64)
-        rows.append(row(ds, name, f"ef={max(ef, k)}", lat=lat, qps=qps, found=found, truth=truth, k=k, **common,
-                        M=args.hnsw_m, ef_construction=args.hnsw_efc))
+        rows.append(
+            row(
+                ds,
+                name,
+                f"ef={max(ef, k)}",
+                lat=lat,
+                qps=qps,
+                found=found,
+                truth=truth,
+                k=k,
+                **common,
+                M=args.hnsw_m,
+                ef_construction=args.hnsw_efc,
+            )
+        )
         log(f"  ef={ef}: {lat[0]:.1f} µs, R@10 {rows[-1]['recall_at_10']:.3f}, R@{k} {rows[-1]['recall_at_k']:.3f}")
     return rows
 
@@ -354,8 +386,14 @@ def blas_info() -> dict:
         pass
     info["env"] = {
         v: os.environ.get(v)
-        for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
-                  "MKL_NUM_THREADS", "RAYON_NUM_THREADS")
+        for v in (
+            "OPENBLAS_CORETYPE",
+            "OPENBLAS_L2_SIZE",
+            "OPENBLAS_NUM_THREADS",
+            "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS",
+            "RAYON_NUM_THREADS",
+        )
     }
     return info
 
@@ -424,8 +462,12 @@ def targets(rows, k) -> tuple[dict, str]:
             if hbest:
                 ratio = best["query_us_median"] / hbest["query_us_median"]
                 t["latency_ratio_vs_hnswlib"] = ratio
-                t["hnswlib_best"] = dict(method=hbest["method"], setting=hbest["setting"],
-                                         us=hbest["query_us_median"], recall=hbest["recall_at_k"])
+                t["hnswlib_best"] = dict(
+                    method=hbest["method"],
+                    setting=hbest["setting"],
+                    us=hbest["query_us_median"],
+                    recall=hbest["recall_at_k"],
+                )
                 text.append(
                     f"  - vs hnswlib best at the same recall ({hbest['method']} {hbest['setting']}, "
                     f"{hbest['query_us_median']:,.1f} µs): DCI/hnswlib latency = {ratio:.2f}"
@@ -524,9 +566,19 @@ def main(argv=None):
             sys.exit(f"error: --k {k} must be in 1..{n} for {ds['name']}")
         n_ins = max(0, min(args.insert, n - max(k, 1)))
         n_build = n - n_ins
-        meta["datasets"].append(dict(name=ds["name"], path=ds["path"], n=n, dim=dim, n_queries=len(queries),
-                                     queries_in_file=ds["queries_in_file"], key_dtype_on_disk=ds["key_dtype_on_disk"],
-                                     n_build=n_build, n_insert=n_ins))
+        meta["datasets"].append(
+            dict(
+                name=ds["name"],
+                path=ds["path"],
+                n=n,
+                dim=dim,
+                n_queries=len(queries),
+                queries_in_file=ds["queries_in_file"],
+                key_dtype_on_disk=ds["key_dtype_on_disk"],
+                n_build=n_build,
+                n_insert=n_ins,
+            )
+        )
         log(f"[{ds['name']}] {n} keys x {dim}, {len(queries)} queries, k={k}: exact ground truth")
         truth = exact_topk_ip(keys, queries, k)
         if "dci" not in skip:

@@ -25,9 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 import icecache
+import numpy as np
 
 
 def clustered(heads: int, n: int, d: int, seed: int) -> np.ndarray:
@@ -77,7 +76,10 @@ def main(argv=None) -> int:
         for threads in thread_counts:
             secs = timeit(lambda: icecache.HeadForest(keys, seed=0, threads=threads), max(3, args.repeats // 5))
             rows.append(("build", name, threads, secs * 1e3, secs * 1e3 / keys.shape[0], "ms / layer; ms / tree"))
-            print(f"build {name:<20} threads={threads}: {secs*1e3:8.1f} ms per layer, {secs*1e3/keys.shape[0]:6.1f} ms per tree", file=sys.stderr)
+            print(
+                f"build {name:<20} threads={threads}: {secs * 1e3:8.1f} ms per layer, {secs * 1e3 / keys.shape[0]:6.1f} ms per tree",
+                file=sys.stderr,
+            )
 
     keys = shapes["llama8b 8x32k x128"]
     rng = np.random.default_rng(3)
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
         forest = icecache.HeadForest(keys, seed=0, threads=threads)
         sel = timeit(lambda: forest.select(queries, 12), args.repeats * 5)
         rows.append(("select", "llama8b 32q/8kv 32k, 12 pages", threads, sel * 1e3, None, "ms"))
-        print(f"select llama8b layer ({threads} threads): {sel*1e3:.3f} ms", file=sys.stderr)
+        print(f"select llama8b layer ({threads} threads): {sel * 1e3:.3f} ms", file=sys.stderr)
 
     # A decode step selects for every layer in turn, so each layer's index is cold in cache.
     layers = [forest]
@@ -105,9 +107,11 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             f.select(q, 12)
             times.append(time.perf_counter() - t)
-    cold = float(np.median(times[len(layers):]))
-    rows.append(("select, cold", f"llama8b layer, cycling {len(layers)} layers", thread_counts[-1], cold * 1e3, None, "ms"))
-    print(f"select llama8b layer cycling {len(layers)} layers: {cold*1e3:.3f} ms", file=sys.stderr)
+    cold = float(np.median(times[len(layers) :]))
+    rows.append(
+        ("select, cold", f"llama8b layer, cycling {len(layers)} layers", thread_counts[-1], cold * 1e3, None, "ms")
+    )
+    print(f"select llama8b layer cycling {len(layers)} layers: {cold * 1e3:.3f} ms", file=sys.stderr)
     del layers[1:]
 
     # Gather: the pages a step selects (12 per head), K and V, bf16 like a real cache.
@@ -123,14 +127,29 @@ def main(argv=None) -> int:
     pages_r = (flat[None, :] + np.arange(reps)[:, None] * 7).reshape(-1) % p
     stage_k = np.empty((len(pages_r), 16, 128), np.uint16)
     stage_v = np.empty_like(stage_k)
-    g = timeit(lambda: icecache.gather_pages(k_store, v_store, heads_r, pages_r.astype(np.int32), stage_k, stage_v), args.repeats)
+    g = timeit(
+        lambda: icecache.gather_pages(k_store, v_store, heads_r, pages_r.astype(np.int32), stage_k, stage_v),
+        args.repeats,
+    )
     nbytes = 2 * stage_k.nbytes
     src = np.ascontiguousarray(k_store.reshape(-1)[: nbytes // 2])
     dst = np.empty(nbytes, np.uint8)
     src2 = np.concatenate([src.view(np.uint8), v_store.reshape(-1)[: nbytes // 4].view(np.uint8)])[:nbytes]
     m = timeit(lambda: np.copyto(dst, src2), args.repeats)
-    rows.append(("gather", f"{len(pages_r)} pages x2 (bf16, 16x128)", "rayon", nbytes / g / 1e9, nbytes / m / 1e9, "GB/s gather; GB/s memcpy"))
-    print(f"gather: {nbytes/g/1e9:.2f} GB/s vs single-core memcpy {nbytes/m/1e9:.2f} GB/s ({g/m:.2f}x the memcpy time)", file=sys.stderr)
+    rows.append(
+        (
+            "gather",
+            f"{len(pages_r)} pages x2 (bf16, 16x128)",
+            "rayon",
+            nbytes / g / 1e9,
+            nbytes / m / 1e9,
+            "GB/s gather; GB/s memcpy",
+        )
+    )
+    print(
+        f"gather: {nbytes / g / 1e9:.2f} GB/s vs single-core memcpy {nbytes / m / 1e9:.2f} GB/s ({g / m:.2f}x the memcpy time)",
+        file=sys.stderr,
+    )
 
     header = (
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
@@ -141,7 +160,9 @@ def main(argv=None) -> int:
     print("| what | shape | threads | value | per tree / memcpy | unit |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print("| " + " | ".join("" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x)) for x in r) + " |")
+        print(
+            "| " + " | ".join("" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x)) for x in r) + " |"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_pages.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
     return 0

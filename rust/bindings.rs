@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{
+    IntoPyArray, PyArray1, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods,
+};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -361,7 +363,10 @@ macro_rules! with_elem {
 }
 
 /// An array of element `T` and its shape, read-only; copied to C order if it is not already.
-fn ro<'py, T: numpy::Element>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(numpy::PyReadonlyArrayDyn<'py, T>, Vec<usize>)> {
+fn ro<'py, T: numpy::Element>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<(numpy::PyReadonlyArrayDyn<'py, T>, Vec<usize>)> {
     let mut a = numpy_of(obj)?;
     if !a.is_c_contiguous() {
         let np = a.py().import("numpy")?;
@@ -375,7 +380,10 @@ fn ro<'py, T: numpy::Element>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(
 }
 
 /// A C-contiguous, writable array of element `T` and its shape.
-fn rw<'py, T: numpy::Element>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<(numpy::PyReadwriteArrayDyn<'py, T>, Vec<usize>)> {
+fn rw<'py, T: numpy::Element>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<(numpy::PyReadwriteArrayDyn<'py, T>, Vec<usize>)> {
     let a = numpy_of(obj)?;
     let arr = a.downcast::<numpy::PyArrayDyn<T>>().map_err(|_| {
         PyValueError::new_err(format!("{what} has dtype {}; all K/V arrays of a call must share one dtype", a.dtype()))
@@ -492,7 +500,11 @@ impl PyHeadForest {
     }
 
     /// ``(page, slot)`` of every token position of ``head``.
-    fn token_map<'py>(&self, py: Python<'py>, head: usize) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+    fn token_map<'py>(
+        &self,
+        py: Python<'py>,
+        head: usize,
+    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
         let m = self.inner.token_map(head).map_err(to_py)?;
         let pages: Vec<i32> = m.iter().map(|x| x.0 as i32).collect();
         let slots: Vec<i32> = m.iter().map(|x| x.1 as i32).collect();
@@ -580,10 +592,7 @@ impl PyHeadForest {
             let inner = &mut self.inner;
             run(py, &self.pool, true, || inner.insert(krl, vrl, ksl, vsl))
         })?;
-        Ok(changed
-            .into_iter()
-            .map(|c| c.into_iter().map(|p| p as i32).collect::<Vec<_>>().into_pyarray(py))
-            .collect())
+        Ok(changed.into_iter().map(|c| c.into_iter().map(|p| p as i32).collect::<Vec<_>>().into_pyarray(py)).collect())
     }
 }
 
@@ -640,13 +649,23 @@ impl PyResidentPages {
         py: Python<'py>,
         pages: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray2<i32>>)> {
+    ) -> PyResult<(
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray2<i32>>,
+    )> {
         let (p, pshape) = int_array::<i32>(pages, "pages")?;
         let (c, _) = int_array::<i32>(counts, "counts")?;
         check_shape("pages", &pshape, &[Some(self.inner.num_heads()), None])?;
         let plan = self.inner.plan(&p, &c).map_err(to_py)?;
         let table = Array2::from_shape_vec((pshape[0], pshape[1]), plan.table).expect("shape");
-        Ok((plan.heads.into_pyarray(py), plan.pages.into_pyarray(py), plan.slots.into_pyarray(py), table.into_pyarray(py)))
+        Ok((
+            plan.heads.into_pyarray(py),
+            plan.pages.into_pyarray(py),
+            plan.slots.into_pyarray(py),
+            table.into_pyarray(py),
+        ))
     }
 }
 

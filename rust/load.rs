@@ -125,7 +125,12 @@ impl ResidentPages {
         let mut order: Vec<usize> = (0..plan.pages.len()).collect();
         order.sort_unstable_by_key(|&i| (plan.heads[i], plan.pages[i]));
         let pick = |v: &[i32]| order.iter().map(|&i| v[i]).collect::<Vec<_>>();
-        plan = LoadPlan { heads: pick(&plan.heads), pages: pick(&plan.pages), slots: pick(&plan.slots), table: plan.table };
+        plan = LoadPlan {
+            heads: pick(&plan.heads),
+            pages: pick(&plan.pages),
+            slots: pick(&plan.slots),
+            table: plan.table,
+        };
         Ok(plan)
     }
 }
@@ -149,7 +154,12 @@ pub fn gather_pages<T: Copy + Send + Sync>(
     ensure!(heads.len() == pages.len(), "heads and pages differ in length");
     ensure!(k_stage.len() == v_stage.len(), "k_stage and v_stage differ in size");
     ensure!(k_stage.len() % block == 0, "staging buffers are not [R, page_size, d]");
-    ensure!(k_stage.len() / block >= pages.len(), "staging buffers hold {} pages, {} requested", k_stage.len() / block, pages.len());
+    ensure!(
+        k_stage.len() / block >= pages.len(),
+        "staging buffers hold {} pages, {} requested",
+        k_stage.len() / block,
+        pages.len()
+    );
     for (&hh, &pp) in heads.iter().zip(pages) {
         ensure!(hh >= 0 && (hh as usize) < num_heads, "head {hh} out of range");
         ensure!(pp >= 0 && (pp as usize) < p, "page {pp} out of range (stores hold {p})");
@@ -204,7 +214,10 @@ pub fn fold_token_lists(
         "table and page_len must both be [B, H, M] with B = {batch}, H = {heads}"
     );
     let per_request = layout.tokens();
-    ensure!(batch * heads * per_request <= i32::MAX as usize, "the layer's buffer has too many tokens for int32 indices");
+    ensure!(
+        batch * heads * per_request <= i32::MAX as usize,
+        "the layer's buffer has too many tokens for int32 indices"
+    );
     for (&s, &w) in sink_len.iter().zip(win_len) {
         ensure!(s >= 0 && s as usize <= layout.sink_cap, "sink_len {s} outside 0..={}", layout.sink_cap);
         ensure!(w >= 0 && w as usize <= layout.win_cap, "win_len {w} outside 0..={}", layout.win_cap);

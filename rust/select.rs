@@ -63,11 +63,8 @@ impl HeadForest {
             .collect();
         let mut pages = vec![-1i32; h * p.max_pages];
         let mut counts = vec![0i32; h];
-        pages
-            .par_chunks_mut(p.max_pages)
-            .zip(counts.par_iter_mut())
-            .zip(weights.par_chunks(group))
-            .for_each(|((out, count), ws)| {
+        pages.par_chunks_mut(p.max_pages).zip(counts.par_iter_mut()).zip(weights.par_chunks(group)).for_each(
+            |((out, count), ws)| {
                 let mut sum = ws[0].clone();
                 for w in &ws[1..] {
                     sum.iter_mut().zip(w).for_each(|(a, b)| *a += b);
@@ -84,7 +81,8 @@ impl HeadForest {
                     *o = page as i32;
                 }
                 *count = ranked.len() as i32;
-            });
+            },
+        );
         Ok((pages, counts))
     }
 }

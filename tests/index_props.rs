@@ -67,11 +67,7 @@ fn assert_same_topk(got_ids: &[i64], got: &[f32], want: &[(i64, f32)]) {
 }
 
 fn live_points(keys: &[f32], dim: usize, ids: &[i64], removed: &HashSet<i64>) -> Vec<(i64, Vec<f32>)> {
-    keys.chunks_exact(dim)
-        .zip(ids)
-        .filter(|(_, id)| !removed.contains(id))
-        .map(|(k, id)| (*id, k.to_vec()))
-        .collect()
+    keys.chunks_exact(dim).zip(ids).filter(|(_, id)| !removed.contains(id)).map(|(k, id)| (*id, k.to_vec())).collect()
 }
 
 fn recall(got: &[i64], want: &[(i64, f32)]) -> f64 {
@@ -254,7 +250,8 @@ fn pdci_cells_find_neighbours() {
     let q = clustered(50, dim, 10, 9);
     let (ei, _) = idx.query(KeyData::F32(&q), 10, None, true).unwrap();
     let (ai, _) = idx.query(KeyData::F32(&q), 10, Some(4.0), false).unwrap();
-    let hits = ai.iter().zip(ei.chunks(10).flat_map(|c| std::iter::repeat(c).take(10))).filter(|(a, e)| e.contains(a)).count();
+    let hits =
+        ai.iter().zip(ei.chunks(10).flat_map(|c| std::iter::repeat(c).take(10))).filter(|(a, e)| e.contains(a)).count();
     assert!(hits as f64 / 500.0 >= 0.8, "P-DCI recall@10 {}", hits as f64 / 500.0);
 }
 
@@ -296,9 +293,22 @@ fn corrupted_files_are_rejected() {
     let cases: Vec<Vec<u8>> = vec![
         good[..10].to_vec(),
         good[..good.len() - 1].to_vec(),
-        { let mut b = good.clone(); let i = b.len() / 2; b[i] ^= 0x40; b },
-        { let mut b = good.clone(); b[0] = b'X'; b },
-        { let mut b = good.clone(); b[8] = 99; b },
+        {
+            let mut b = good.clone();
+            let i = b.len() / 2;
+            b[i] ^= 0x40;
+            b
+        },
+        {
+            let mut b = good.clone();
+            b[0] = b'X';
+            b
+        },
+        {
+            let mut b = good.clone();
+            b[8] = 99;
+            b
+        },
     ];
     for (i, bytes) in cases.into_iter().enumerate() {
         std::fs::write(&bad, bytes).unwrap();

@@ -57,7 +57,11 @@ fn check_store(f: &HeadForest, src: &[f32], store: &[f32], p: usize) {
         let map = f.token_map(h).unwrap();
         for (t, &(page, slot)) in map.iter().enumerate() {
             let at = ((h * p + page as usize) * s + slot as usize) * d;
-            assert_eq!(&store[at..at + d], &src[(h * f.len() + t) * d..(h * f.len() + t + 1) * d], "head {h} token {t}");
+            assert_eq!(
+                &store[at..at + d],
+                &src[(h * f.len() + t) * d..(h * f.len() + t + 1) * d],
+                "head {h} token {t}"
+            );
         }
         for page in 0..f.num_pages(h).unwrap() {
             for slot in f.page_tokens(h, page).unwrap().len()..s {
@@ -84,8 +88,11 @@ fn layout_and_store_are_exact() {
     check_store(&f, &v, &vs, p);
     // Pages hold keys near each other: mean within-page spread well below the head's spread.
     let spread = |toks: &[u32], base: usize| -> f32 {
-        let m: Vec<f32> = (0..d).map(|j| toks.iter().map(|&t| k[(base + t as usize) * d + j]).sum::<f32>() / toks.len() as f32).collect();
-        toks.iter().map(|&t| (0..d).map(|j| (k[(base + t as usize) * d + j] - m[j]).powi(2)).sum::<f32>()).sum::<f32>() / toks.len() as f32
+        let m: Vec<f32> = (0..d)
+            .map(|j| toks.iter().map(|&t| k[(base + t as usize) * d + j]).sum::<f32>() / toks.len() as f32)
+            .collect();
+        toks.iter().map(|&t| (0..d).map(|j| (k[(base + t as usize) * d + j] - m[j]).powi(2)).sum::<f32>()).sum::<f32>()
+            / toks.len() as f32
     };
     let all: Vec<u32> = (0..n as u32).collect();
     let within: f32 = (0..f.num_pages(0).unwrap()).map(|pg| spread(f.page_tokens(0, pg).unwrap(), 0)).sum::<f32>()
@@ -109,7 +116,9 @@ fn exact_selection_matches_reference() {
         let mut mass = vec![0f64; np];
         for j in kv * g..(kv + 1) * g {
             let logits: Vec<f64> = (0..n)
-                .map(|t| (0..d).map(|x| q[j * d + x] as f64 * k[(kv * n + t) * d + x] as f64).sum::<f64>() * scale as f64)
+                .map(|t| {
+                    (0..d).map(|x| q[j * d + x] as f64 * k[(kv * n + t) * d + x] as f64).sum::<f64>() * scale as f64
+                })
                 .collect();
             let m = logits.iter().cloned().fold(f64::MIN, f64::max);
             let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
@@ -122,7 +131,12 @@ fn exact_selection_matches_reference() {
         assert_eq!(counts[kv] as usize, max_pages);
         let got: Vec<usize> = pages[kv * max_pages..(kv + 1) * max_pages].iter().map(|&p| p as usize).collect();
         for (r, (&a, &b)) in got.iter().zip(&order).enumerate() {
-            assert!(a == b || (mass[a] - mass[b]).abs() < 1e-6, "rank {r}: page {a} ({}) vs {b} ({})", mass[a], mass[b]);
+            assert!(
+                a == b || (mass[a] - mass[b]).abs() < 1e-6,
+                "rank {r}: page {a} ({}) vs {b} ({})",
+                mass[a],
+                mass[b]
+            );
         }
     }
 }

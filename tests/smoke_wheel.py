@@ -3,9 +3,8 @@ dependencies: the abi3 wheel must import and answer with nothing but NumPy insta
 
 import importlib.metadata as md
 
-import numpy as np
-
 import icecache
+import numpy as np
 
 installed = sorted(d.metadata["Name"].lower() for d in md.distributions())
 assert set(installed) <= {"icecache", "numpy", "pip", "setuptools"}, installed

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import math
 
+import icecache
 import numpy as np
 import pytest
-
-import icecache
 from icecache.eval import recall as R
 
 needs_forest = pytest.mark.skipif(not hasattr(icecache, "HeadForest"), reason="icecache.HeadForest not built")
@@ -36,8 +35,11 @@ def synth_docs(seed=0, *, n_docs=2, T=320, H_kv=2, G=3, D=16, n_layers=2, nq=6):
             tgt = rng.integers(0, 12, (H_kv, G, len(pos)))
             q = np.take_along_axis(centres[:, None], tgt[..., None], axis=2) * 1.2
             q = q + 0.3 * rng.standard_normal(q.shape)
-            layers[l] = (q.reshape(H_kv * G, len(pos), D).astype(np.float32),
-                         k.astype(np.float16), v.astype(np.float16))
+            layers[l] = (
+                q.reshape(H_kv * G, len(pos), D).astype(np.float32),
+                k.astype(np.float16),
+                v.astype(np.float16),
+            )
         docs.append(R.DocQKV(positions=pos, layers=layers))
     return docs
 
@@ -98,7 +100,9 @@ def test_streamingllm_hand_computed():
     # middle = [16, 32) (window [32, 48)); selected middle = [24, 32).
     mid0, sel0 = 14 + 3 + 2, 7 + 2
     mid1, sel1 = 16, 8
-    assert res.middle_recall[0, 0, 0, 0, 0] == pytest.approx((sel0 / z0 + sel1 / 48) / (mid0 / z0 + mid1 / 48), abs=1e-6)
+    assert res.middle_recall[0, 0, 0, 0, 0] == pytest.approx(
+        (sel0 / z0 + sel1 / 48) / (mid0 / z0 + mid1 / 48), abs=1e-6
+    )
     assert res.charged[0, 0, 0, 0, 0] == 40
     # output: renormalised softmax over the attended tokens
     w = np.exp(k[0, :, 0])
@@ -195,8 +199,24 @@ def test_cli_parser():
     from icecache import cli
 
     p = cli.build_parser()
-    a = p.parse_args(["eval", "recall", "--docs", "1", "--tokens", "2000", "--budgets", "64", "128",
-                      "--layers", "2-4", "9", "--out", "x"])
+    a = p.parse_args(
+        [
+            "eval",
+            "recall",
+            "--docs",
+            "1",
+            "--tokens",
+            "2000",
+            "--budgets",
+            "64",
+            "128",
+            "--layers",
+            "2-4",
+            "9",
+            "--out",
+            "x",
+        ]
+    )
     assert a.docs == 1 and a.tokens == 2000 and a.budgets == [64, 128] and a.out == "x"
     assert cli._layer_list(a.layers) == [2, 3, 4, 9]
     assert cli._layer_list(["2,5", "3"]) == [2, 3, 5]

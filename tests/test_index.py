@@ -7,14 +7,12 @@ make a correct answer fail. The whole file is sized to run in well under 20 s on
 
 from __future__ import annotations
 
-
+import icecache
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-import icecache
 from icecache import DCIIndex
 
 METRICS = ["ip", "l2"]
@@ -489,7 +487,11 @@ def test_save_load_identical(tmp_path, metric):
         assert len(loaded) == len(idx)
         assert loaded.dim == idx.dim and loaded.metric == idx.metric
         assert loaded.stats()["levels"] == idx.stats()["levels"]
-        after = [loaded.query(queries, 10), loaded.query(queries, 10, effort=2.0), loaded.query(queries, 10, exact=True)]
+        after = [
+            loaded.query(queries, 10),
+            loaded.query(queries, 10, effort=2.0),
+            loaded.query(queries, 10, exact=True),
+        ]
         for (ai, asc), (bi, bsc) in zip(before, after):
             np.testing.assert_array_equal(ai, bi)
             np.testing.assert_array_equal(asc, bsc)
@@ -979,7 +981,9 @@ def test_load_truncated_file(saved, tmp_path):
     for cut in (0, 4, 16, len(data) // 2, len(data) - 1):
         bad = tmp_path / f"trunc{cut}.icecache"
         bad.write_bytes(data[:cut])
-        with pytest.raises(icecache.IndexFileError, match=r"(?i)truncat|unexpected end|eof|too short|short|incomplete|corrupt"):
+        with pytest.raises(
+            icecache.IndexFileError, match=r"(?i)truncat|unexpected end|eof|too short|short|incomplete|corrupt"
+        ):
             DCIIndex.load(bad)
     assert_unchanged(idx, queries, snap)
     # the original file still loads
@@ -994,9 +998,7 @@ def test_load_flipped_byte(saved, tmp_path, where):
     b[pos] ^= 0x40
     bad = tmp_path / "flip.icecache"
     bad.write_bytes(bytes(b))
-    with pytest.raises(
-        icecache.IndexFileError, match=r"(?i)corrupt|checksum|crc|invalid|magic|version|truncat"
-    ):
+    with pytest.raises(icecache.IndexFileError, match=r"(?i)corrupt|checksum|crc|invalid|magic|version|truncat"):
         DCIIndex.load(bad)
     assert_unchanged(idx, queries, snap)
 

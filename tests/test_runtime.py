@@ -18,6 +18,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import icecache  # noqa: E402
+from icecache.attend import attention_recall, sparse_decode_attention  # noqa: E402
+from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
+from icecache.runtime.layer import IceLayer  # noqa: E402
+from icecache.runtime.pages import PageIndex  # noqa: E402
 from transformers import (  # noqa: E402
     DynamicCache,
     Gemma3ForCausalLM,
@@ -34,15 +39,17 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-import icecache  # noqa: E402
-from icecache.attend import attention_recall, sparse_decode_attention  # noqa: E402
-from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
-from icecache.runtime.layer import IceLayer  # noqa: E402
-from icecache.runtime.pages import PageIndex  # noqa: E402
-
 VOCAB = 128
-_TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+_TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+)
 
 
 def tiny_model(arch: str = "llama"):
@@ -58,9 +65,12 @@ def tiny_model(arch: str = "llama"):
         model = MistralForCausalLM(MistralConfig(**_TINY, sliding_window=None))
     elif arch == "gemma3":
         # MQA, and sliding-window layers (window 24) between the full-attention layers.
-        cfg = Gemma3TextConfig(**{**_TINY, "num_hidden_layers": 6, "num_key_value_heads": 1},
-                               layer_types=["sliding_attention", "full_attention"] * 3,
-                               sliding_window=24, query_pre_attn_scalar=16)
+        cfg = Gemma3TextConfig(
+            **{**_TINY, "num_hidden_layers": 6, "num_key_value_heads": 1},
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            sliding_window=24,
+            query_pre_attn_scalar=16,
+        )
         model = Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(arch)
@@ -167,7 +177,9 @@ def test_config_defaults_and_derived_sizes():
 
 
 def test_unsupported_model_fails_before_any_work():
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)).eval()
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
+    ).eval()
     before = model.config._attn_implementation
     with pytest.raises(ValueError, match=r"does not support model type 'gpt2'.*supported: llama"):
         IceCache(IceCacheConfig(), model)
@@ -218,8 +230,8 @@ def test_sparse_decode_attention_is_exact_over_valid_slots():
     win_len = torch.tensor([7, 3], dtype=torch.int32)
     # Garbage (NaN) in every empty slot must not leak into the result.
     for b in range(B):
-        sink_k[b, :, sink_len[b]:] = sink_v[b, :, sink_len[b]:] = float("nan")
-        win_k[b, :, win_len[b]:] = win_v[b, :, win_len[b]:] = float("nan")
+        sink_k[b, :, sink_len[b] :] = sink_v[b, :, sink_len[b] :] = float("nan")
+        win_k[b, :, win_len[b] :] = win_v[b, :, win_len[b] :] = float("nan")
     for b, h, m in np.ndindex(B, H, M):
         slot, n = int(table[b, h, m]), int(page_len[b, h, m])
         if slot >= 0 and n < S:
@@ -238,8 +250,9 @@ def test_sparse_decode_attention_is_exact_over_valid_slots():
         vs.append(win_v[b, h, : win_len[b]])
         return torch.cat(ks), torch.cat(vs)
 
-    got = sparse_decode_attention(q, sink_k, sink_v, sink_len, pool_k, pool_v, table, page_len,
-                                  win_k, win_v, win_len, 0.3)
+    got = sparse_decode_attention(
+        q, sink_k, sink_v, sink_len, pool_k, pool_v, table, page_len, win_k, win_v, win_len, 0.3
+    )
     torch.testing.assert_close(got, _naive_attention(q, parts, 0.3), rtol=1e-5, atol=1e-6)
 
 
@@ -486,9 +499,15 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
     prefix = DynamicCache()  # one exact prefill (all but the last prompt token) serves both
     with torch.inference_mode():
         model(ids[:, :-1], cache=prefix, logits_to_keep=1)
-        full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64,
-                              min_new_tokens=64, do_sample=False, cache=copy.deepcopy(prefix),
-                              pad_token_id=tokenizer.eos_token_id)[0, n:]
+        full = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=64,
+            min_new_tokens=64,
+            do_sample=False,
+            cache=copy.deepcopy(prefix),
+            pad_token_id=tokenizer.eos_token_id,
+        )[0, n:]
     answer = tokenizer.decode(full)
     assert answer.strip().startswith(prompt.expected.strip()), answer  # the task is solvable
 
@@ -505,8 +524,10 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
     answer_tokens = len(tokenizer(prompt.expected, add_special_tokens=False).input_ids)
     record_property("agreement", agree)
     record_property("recall", cache.stats.recall)
-    print(f"\nSmolLM2 {n}-token prompt, budget 256: greedy agreement {agree:.1%} of 64 tokens, "
-          f"attention recall {cache.stats.recall:.3f}; full {t1 - t0:.1f} s, IceCache {t2 - t1:.1f} s")
+    print(
+        f"\nSmolLM2 {n}-token prompt, budget 256: greedy agreement {agree:.1%} of 64 tokens, "
+        f"attention recall {cache.stats.recall:.3f}; full {t1 - t0:.1f} s, IceCache {t2 - t1:.1f} s"
+    )
     assert predicted[:answer_tokens] == full[:answer_tokens].tolist(), "planted line not retrieved"
     assert agree >= 0.95
 

@@ -7,10 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 from test_runtime import check_pools, ice_layers, prompt_ids, run_steps, tiny_model  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
-
-from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -27,8 +26,7 @@ def test_cuda_budget_covering_context_matches_full_cache(dtype):
     model = tiny_model("llama").cuda().to(dtype)
     ids, mask = _padded_batch()
     full = run_steps(model, ids, DynamicCache(config=model.config), 40, attention_mask=mask)
-    ice = run_steps(model, ids, IceCache(IceCacheConfig(budget=1024, full_layers=1), model), 40,
-                    attention_mask=mask)
+    ice = run_steps(model, ids, IceCache(IceCacheConfig(budget=1024, full_layers=1), model), 40, attention_mask=mask)
     if dtype == torch.float32:
         torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
     else:  # bf16 rounding differs between kernels; the predictions must still agree
@@ -39,8 +37,7 @@ def test_cuda_budget_covering_context_matches_full_cache(dtype):
 def test_cuda_pages_move_through_pinned_staging(reuse):
     model = tiny_model("llama").cuda().to(torch.bfloat16)
     ids, mask = _padded_batch()
-    cache = IceCache(IceCacheConfig(budget=96, full_layers=1, reuse=reuse, pool_pages=4), model,
-                     track_recall=True)
+    cache = IceCache(IceCacheConfig(budget=96, full_layers=1, reuse=reuse, pool_pages=4), model, track_recall=True)
     logits = run_steps(model, ids, cache, 100, attention_mask=mask)
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()

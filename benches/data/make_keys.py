@@ -72,15 +72,15 @@ def save_npz(path: Path, **arrays) -> None:
             tmp.unlink()
 
 
-def make_smollm2(out: Path, layer: int, kv_head: int, n_docs: int, tokens_per_doc: int,
-                 n_queries: int, seed: int) -> dict:
+def make_smollm2(
+    out: Path, layer: int, kv_head: int, n_docs: int, tokens_per_doc: int, n_queries: int, seed: int
+) -> dict:
     """Capture one layer / KV head of SmolLM2 over ``n_docs`` documents; write ``smollm2_keys.npz``."""
     import torch
-    from tqdm import tqdm
-
     from icecache.capture import capture_qkv
     from icecache.models import load_model
     from icecache.texts import documents
+    from tqdm import tqdm
 
     t0 = time.perf_counter()
     model, tok = load_model("smollm2", dtype=torch.float32)
@@ -141,7 +141,7 @@ def make_smollm2(out: Path, layer: int, kv_head: int, n_docs: int, tokens_per_do
         n_keys=np.int64(len(keys_a)),
         n_queries=np.int64(sum(len(p) for p in q_pos)),
         head_dim=np.int64(head_dim),
-        scale=np.float64(head_dim ** -0.5),
+        scale=np.float64(head_dim**-0.5),
         seed=np.int64(seed),
     )
     path = out / "smollm2_keys.npz"
@@ -149,8 +149,9 @@ def make_smollm2(out: Path, layer: int, kv_head: int, n_docs: int, tokens_per_do
     return dict(path=path, data=data, t_load=t_load, t_fwd=t_fwd)
 
 
-def make_synthetic(out: Path, n: int = 32768, d: int = 128, n_clusters: int = 256,
-                   n_queries: int = 1000, seed: int = 0) -> dict:
+def make_synthetic(
+    out: Path, n: int = 32768, d: int = 128, n_clusters: int = 256, n_queries: int = 1000, seed: int = 0
+) -> dict:
     """Clustered Gaussian keys with varied cluster sizes, spreads and norms; write ``synthetic_clustered.npz``."""
     rng = np.random.default_rng(seed)
     # Directions on the sphere, center norms spread 2..12, plus a shared offset of norm 4
@@ -195,10 +196,11 @@ def _describe(name: str, data: dict, path: Path) -> None:
     kn = np.linalg.norm(data["keys"], axis=1)
     qn = np.linalg.norm(data["queries"], axis=1)
     print(f"{name}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
-    print(f"  keys {data['keys'].shape} {data['keys'].dtype}, norms min {kn.min():.2f} "
-          f"median {np.median(kn):.2f} max {kn.max():.2f}")
-    print(f"  queries {data['queries'].shape}, norms min {qn.min():.2f} median {np.median(qn):.2f} "
-          f"max {qn.max():.2f}")
+    print(
+        f"  keys {data['keys'].shape} {data['keys'].dtype}, norms min {kn.min():.2f} "
+        f"median {np.median(kn):.2f} max {kn.max():.2f}"
+    )
+    print(f"  queries {data['queries'].shape}, norms min {qn.min():.2f} median {np.median(qn):.2f} max {qn.max():.2f}")
 
 
 def main(argv=None) -> int:
@@ -221,13 +223,14 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(args.threads or os.cpu_count() or 1)
-        r = make_smollm2(args.out, args.layer, args.head, args.docs, args.tokens_per_doc,
-                         args.queries, args.seed)
+        r = make_smollm2(args.out, args.layer, args.head, args.docs, args.tokens_per_doc, args.queries, args.seed)
         _describe("smollm2", r["data"], r["path"])
         d = r["data"]
-        print(f"  layer {int(d['layer'])}, KV head {int(d['kv_head'])}, {int(d['n_docs'])} docs x "
-              f"{int(d['tokens_per_doc'])} tokens -> {int(d['n_keys'])} keys (sinks left out); "
-              f"model load {r['t_load']:.1f} s, forwards {r['t_fwd']:.1f} s")
+        print(
+            f"  layer {int(d['layer'])}, KV head {int(d['kv_head'])}, {int(d['n_docs'])} docs x "
+            f"{int(d['tokens_per_doc'])} tokens -> {int(d['n_keys'])} keys (sinks left out); "
+            f"model load {r['t_load']:.1f} s, forwards {r['t_fwd']:.1f} s"
+        )
     if args.only in ("all", "synthetic"):
         t1 = time.perf_counter()
         r = make_synthetic(args.out, seed=args.seed)

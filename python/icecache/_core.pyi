@@ -52,9 +52,7 @@ class DCIIndex:
     @property
     def metric(self) -> str: ...
     def __len__(self) -> int: ...
-    def add(
-        self, keys: npt.ArrayLike, ids: Optional[npt.ArrayLike] = None
-    ) -> npt.NDArray[np.int64]:
+    def add(self, keys: npt.ArrayLike, ids: Optional[npt.ArrayLike] = None) -> npt.NDArray[np.int64]:
         """Add ``keys`` (``[n, dim]``); returns their ids (``ids``, or fresh ones)."""
     def remove(self, ids: npt.ArrayLike) -> None:
         """Remove the points with these ids (all must exist)."""
@@ -175,7 +173,6 @@ def gather_pages(
 ) -> None:
     """Copies page ``pages[i]`` of head ``heads[i]`` from the stores (``[H_kv, P, S, d]``) into row
     ``i`` of the staging buffers (``[R, S, d]``, same dtype, ``R >= len(pages)``), in parallel."""
-
 
 def fold_token_lists(
     table: npt.ArrayLike,

@@ -80,8 +80,12 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def recording(model: Any, layers: Optional[Iterable[int]] = None, *, _stop_early: bool = False,
-              ) -> Iterator[Dict[int, Tuple[np.ndarray, ...]]]:
+def recording(
+    model: Any,
+    layers: Optional[Iterable[int]] = None,
+    *,
+    _stop_early: bool = False,
+) -> Iterator[Dict[int, Tuple[np.ndarray, ...]]]:
     """Context manager: while active, every forward of ``model`` records q, k, v.
 
     Yields a dict that fills as the model runs: ``{layer_idx: (q, k, v)}`` with ``q`` of shape
@@ -112,8 +116,9 @@ def recording(model: Any, layers: Optional[Iterable[int]] = None, *, _stop_early
         model.set_attn_implementation(original)
 
 
-def capture_qkv(model: Any, input_ids: Any, layers: Optional[Iterable[int]] = None, *,
-                stop_early: bool = True) -> Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def capture_qkv(
+    model: Any, input_ids: Any, layers: Optional[Iterable[int]] = None, *, stop_early: bool = True
+) -> Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Run one forward of ``model`` on ``input_ids`` and return what each attention layer saw.
 
     Only the last position's logits are computed (``logits_to_keep=1``: full logits of a long

@@ -82,21 +82,21 @@ def _cmd_eval_recall(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``icecache`` command (subcommand tree)."""
-    parser = argparse.ArgumentParser(
-        prog="icecache", description="IceCache: KV-cache retrieval for long-context LLMs."
-    )
+    parser = argparse.ArgumentParser(prog="icecache", description="IceCache: KV-cache retrieval for long-context LLMs.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
     from icecache import demo
 
-    dm = commands.add_parser("demo", help="long-context retrieval on the CPU: full cache vs IceCache",
-                             description=demo.DESCRIPTION)
+    dm = commands.add_parser(
+        "demo", help="long-context retrieval on the CPU: full cache vs IceCache", description=demo.DESCRIPTION
+    )
     demo.add_arguments(dm)
     dm.set_defaults(func=demo.run)
 
-    ev = commands.add_parser("eval", help="quality evaluations on real data",
-                             description="Quality evaluations on real data.")
+    ev = commands.add_parser(
+        "eval", help="quality evaluations on real data", description="Quality evaluations on real data."
+    )
     evals = ev.add_subparsers(dest="eval_command", metavar="EVALUATION")
     evals.required = True
 
@@ -115,23 +115,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rc.add_argument("--docs", type=int, default=2, help="documents (default 2)")
     rc.add_argument("--tokens", type=int, default=8000, help="tokens per document (default 8000)")
-    rc.add_argument("--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS),
-                    help="token budgets (default 64 128 256 512)")
-    rc.add_argument("--layers", nargs="+", default=None,
-                    help="layers, e.g. 2-29 or 4 8 12 (default: every layer >= 2)")
-    rc.add_argument("--queries", type=int, default=16,
-                    help="query positions per document, spread over its last 5%% (default 16)")
-    rc.add_argument("--methods", nargs="+", default=None, choices=list(METHODS) + list(DIAGNOSTIC_METHODS),
-                    help="methods (default: all of " + ", ".join(METHODS) + ")")
-    rc.add_argument("--diagnostics", action="store_true",
-                    help="also run the diagnostic methods (pages ranked by true attention mass, ...)")
+    rc.add_argument(
+        "--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS), help="token budgets (default 64 128 256 512)"
+    )
+    rc.add_argument("--layers", nargs="+", default=None, help="layers, e.g. 2-29 or 4 8 12 (default: every layer >= 2)")
+    rc.add_argument(
+        "--queries", type=int, default=16, help="query positions per document, spread over its last 5%% (default 16)"
+    )
+    rc.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=list(METHODS) + list(DIAGNOSTIC_METHODS),
+        help="methods (default: all of " + ", ".join(METHODS) + ")",
+    )
+    rc.add_argument(
+        "--diagnostics",
+        action="store_true",
+        help="also run the diagnostic methods (pages ranked by true attention mass, ...)",
+    )
     rc.add_argument("--sink", type=int, default=16, help="sink tokens (default 16)")
     rc.add_argument("--window", type=int, default=16, help="window tokens (default 16)")
     rc.add_argument("--page-size", type=int, default=16, help="page size (default 16)")
     rc.add_argument("--effort", type=float, default=None, help="HeadForest.select effort (default: its own)")
     rc.add_argument("--seed", type=int, default=0, help="document choice and index seed (default 0)")
-    rc.add_argument("--out", default=".", help="directory for recall_table.md, recall.json, "
-                                               "recall_vs_budget.png (default: current directory)")
+    rc.add_argument(
+        "--out",
+        default=".",
+        help="directory for recall_table.md, recall.json, recall_vs_budget.png (default: current directory)",
+    )
     rc.add_argument("--cache-dir", default=None, help="capture cache (default ~/.cache/icecache/eval)")
     rc.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     rc.add_argument("--quiet", action="store_true", help="no progress bars")

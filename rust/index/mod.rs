@@ -25,9 +25,9 @@ mod tree;
 use std::collections::{HashMap, HashSet};
 
 use rand::{Rng, SeedableRng};
-use rayon::prelude::*;
 use rand_distr::StandardNormal;
 use rand_xoshiro::Xoshiro256PlusPlus;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ensure, Error, Result};
@@ -109,11 +109,7 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         ensure!(self.dim >= 1 && self.dim <= MAX_DIM, "dim must be in 1..={MAX_DIM}, got {}", self.dim);
         ensure!((1..=64).contains(&self.num_simple), "num_simple must be in 1..=64, got {}", self.num_simple);
-        ensure!(
-            (1..=16).contains(&self.num_composite),
-            "num_composite must be in 1..=16, got {}",
-            self.num_composite
-        );
+        ensure!((1..=16).contains(&self.num_composite), "num_composite must be in 1..=16, got {}", self.num_composite);
         ensure!(
             self.promotion.len() < MAX_LEVELS,
             "promotion has {} levels; at most {} are supported",
@@ -375,11 +371,7 @@ impl DciIndex {
     /// Validates `ids` for `n` new points, or draws fresh ones.
     fn check_new_ids(&self, n: usize, ids: Option<&[i64]>) -> Result<Vec<i64>> {
         let Some(ids) = ids else {
-            ensure!(
-                self.next_id.checked_add(n as i64).is_some(),
-                "no fresh ids left after {}",
-                self.next_id
-            );
+            ensure!(self.next_id.checked_add(n as i64).is_some(), "no fresh ids left after {}", self.next_id);
             return Ok((self.next_id..self.next_id + n as i64).collect());
         };
         ensure!(ids.len() == n, "got {} ids for {n} keys", ids.len());
@@ -417,9 +409,10 @@ impl DciIndex {
 
     /// Live leaf (tier-0) cells: `(cell id, member slots)`.
     pub(crate) fn leaf_cells(&self) -> impl Iterator<Item = (u32, &[u32])> + '_ {
-        self.tiers.first().into_iter().flat_map(|t| {
-            t.cells.iter().enumerate().filter(|(_, c)| c.live).map(|(i, c)| (i as u32, &c.members[..]))
-        })
+        self.tiers
+            .first()
+            .into_iter()
+            .flat_map(|t| t.cells.iter().enumerate().filter(|(_, c)| c.live).map(|(i, c)| (i as u32, &c.members[..])))
     }
 
     /// The id stored in `slot`.
@@ -489,9 +482,7 @@ impl DciIndex {
         let raw = self.proj[slot as usize * nd + j];
         match self.cfg.metric {
             Metric::L2 => raw,
-            Metric::InnerProduct => {
-                raw / self.c + self.extra(slot) * self.dirs[j * (self.cfg.dim + 1) + self.cfg.dim]
-            }
+            Metric::InnerProduct => raw / self.c + self.extra(slot) * self.dirs[j * (self.cfg.dim + 1) + self.cfg.dim],
         }
     }
 

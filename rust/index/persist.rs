@@ -66,16 +66,12 @@ impl DciIndex {
         let crc = u32::from_le_bytes(buf[20..24].try_into().unwrap());
         let payload = &buf[HEADER..];
         if payload.len() as u64 != len {
-            return Err(corrupt(&format!(
-                "payload is {} bytes, header says {len} (truncated?)",
-                payload.len()
-            )));
+            return Err(corrupt(&format!("payload is {} bytes, header says {len} (truncated?)", payload.len())));
         }
         if crc32fast::hash(payload) != crc {
             return Err(corrupt("checksum mismatch (the file is corrupted)"));
         }
-        let mut index: DciIndex =
-            bincode::deserialize(payload).map_err(|e| corrupt(&e.to_string()))?;
+        let mut index: DciIndex = bincode::deserialize(payload).map_err(|e| corrupt(&e.to_string()))?;
         // Tags are not saved (see `DciIndex::tags`): every point loads untagged.
         index.tags = vec![0; index.level.len()];
         if let Some(leaves) = index.tiers.first_mut() {
@@ -84,13 +80,8 @@ impl DciIndex {
             }
         }
         index.check_consistency(false).map_err(|why| corrupt(&why))?;
-        index.id_map = index
-            .level
-            .iter()
-            .enumerate()
-            .filter(|(_, &l)| l != FREE)
-            .map(|(s, _)| (index.ids[s], s as u32))
-            .collect();
+        index.id_map =
+            index.level.iter().enumerate().filter(|(_, &l)| l != FREE).map(|(s, _)| (index.ids[s], s as u32)).collect();
         Ok(index)
     }
 

@@ -255,9 +255,7 @@ impl DciIndex {
             Metric::L2 => 1.0,
         };
         out.clear();
-        out.extend(
-            self.dirs.chunks_exact(d + 1).map(|u| simd::dot(q, &u[..d]) / norm),
-        );
+        out.extend(self.dirs.chunks_exact(d + 1).map(|u| simd::dot(q, &u[..d]) / norm));
     }
 
     /// Writes the best `k` of `s.cand` (exact rank scores), best first.

@@ -252,11 +252,8 @@ impl DciIndex {
     pub(super) fn cell_remove(&mut self, t: usize, cell: u32, slot: u32) {
         let d = self.cfg.dim;
         let extra = self.extra(slot) as f64;
-        let projs: Vec<f32> = if t == 0 {
-            (0..self.cfg.num_dirs()).map(|j| self.key_proj(slot, j)).collect()
-        } else {
-            Vec::new()
-        };
+        let projs: Vec<f32> =
+            if t == 0 { (0..self.cfg.num_dirs()).map(|j| self.key_proj(slot, j)).collect() } else { Vec::new() };
         let tier = &mut self.tiers[t];
         let pos = tier.member_pos[slot as usize] as usize;
         let c = &mut tier.cells[cell as usize];
@@ -356,11 +353,7 @@ impl DciIndex {
                 if !self.tiers[t].cells[cell as usize].live {
                     continue;
                 }
-                let s: f64 = self.tiers[t].cells[cell as usize]
-                    .members
-                    .iter()
-                    .map(|&m| self.extra(m) as f64)
-                    .sum();
+                let s: f64 = self.tiers[t].cells[cell as usize].members.iter().map(|&m| self.extra(m) as f64).sum();
                 self.tiers[t].cells[cell as usize].sum_extra = s;
                 self.update_route(t, cell);
             }
@@ -472,7 +465,8 @@ impl DciIndex {
             let mut covered = 0;
             for i in 0..buf.cand.len() {
                 if scan && i < head {
-                    let best = (i + 1..buf.cand.len()).fold(i, |b, j| if buf.cand[j].0 > buf.cand[b].0 { j } else { b });
+                    let best =
+                        (i + 1..buf.cand.len()).fold(i, |b, j| if buf.cand[j].0 > buf.cand[b].0 { j } else { b });
                     buf.cand.swap(i, best);
                 } else if i == head {
                     // Rare: the head did not cover enough; order the rest too.
@@ -771,7 +765,10 @@ impl DciIndex {
         let mut buf = Descent::default();
         let mut lam = self.level[x as usize] as usize;
         // While `x` is the root's only member, the tier below becomes the top.
-        while self.tiers.len() > 1 && lam == self.tiers.len() - 1 && self.tiers[lam].cells[self.root as usize].members == [x] {
+        while self.tiers.len() > 1
+            && lam == self.tiers.len() - 1
+            && self.tiers[lam].cells[self.root as usize].members == [x]
+        {
             let below = self.tiers[lam - 1].owned_cell[x as usize];
             self.tiers.pop();
             self.tiers[lam - 1].owned_cell[x as usize] = NONE;

@@ -161,9 +161,9 @@ impl HeadForest {
     }
 
     fn head(&self, head: usize) -> Result<&HeadPages> {
-        self.heads
-            .get(head)
-            .ok_or_else(|| Error::Invalid(format!("head {head} out of range: the forest has {} heads", self.heads.len())))
+        self.heads.get(head).ok_or_else(|| {
+            Error::Invalid(format!("head {head} out of range: the forest has {} heads", self.heads.len()))
+        })
     }
 
     /// Checks a store's size: `[H_kv, P, page_size, d]` with `P >= min_pages`; returns `P`.
@@ -193,21 +193,17 @@ impl HeadForest {
         ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
         let n = self.len;
         for (src, store) in [(k_src, &mut *k_store), (v_src, &mut *v_store)] {
-            store
-                .par_chunks_mut(p * s * d)
-                .zip(src.par_chunks(n * d))
-                .zip(&self.heads)
-                .for_each(|((st, sr), hp)| {
-                    st.par_chunks_mut(s * d).enumerate().for_each(|(page, block)| {
-                        let tokens: &[u32] = hp.pages.get(page).map_or(&[], |t| &t[..]);
-                        for (slot, row) in block.chunks_mut(d).enumerate() {
-                            match tokens.get(slot) {
-                                Some(&t) => row.copy_from_slice(&sr[t as usize * d..(t as usize + 1) * d]),
-                                None => row.fill(T::default()),
-                            }
+            store.par_chunks_mut(p * s * d).zip(src.par_chunks(n * d)).zip(&self.heads).for_each(|((st, sr), hp)| {
+                st.par_chunks_mut(s * d).enumerate().for_each(|(page, block)| {
+                    let tokens: &[u32] = hp.pages.get(page).map_or(&[], |t| &t[..]);
+                    for (slot, row) in block.chunks_mut(d).enumerate() {
+                        match tokens.get(slot) {
+                            Some(&t) => row.copy_from_slice(&sr[t as usize * d..(t as usize + 1) * d]),
+                            None => row.fill(T::default()),
                         }
-                    })
-                });
+                    }
+                })
+            });
         }
         Ok(())
     }

@@ -88,7 +88,11 @@ mod tests {
             all.sort_unstable();
             assert_eq!(all, (0..n as u32).collect::<Vec<_>>());
             let part_filled = out.iter().filter(|g| g.len() < 16).count();
-            assert!(out.iter().all(|g| g.len() <= 16) && part_filled <= 1, "{n}: sizes {:?}", out.iter().map(|g| g.len()).collect::<Vec<_>>());
+            assert!(
+                out.iter().all(|g| g.len() <= 16) && part_filled <= 1,
+                "{n}: sizes {:?}",
+                out.iter().map(|g| g.len()).collect::<Vec<_>>()
+            );
         }
     }
 }

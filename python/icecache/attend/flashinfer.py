@@ -66,9 +66,16 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return device.type == "cuda" and dtype in _DTYPES and head_dim in _HEAD_DIMS
 
 
-def token_lists(table: np.ndarray, page_len: np.ndarray, sink_len: np.ndarray, win_len: np.ndarray,
-                pool_slots: int, page_size: int, sink_cap: int, win_cap: int,
-                ) -> Tuple[np.ndarray, np.ndarray]:
+def token_lists(
+    table: np.ndarray,
+    page_len: np.ndarray,
+    sink_len: np.ndarray,
+    win_len: np.ndarray,
+    pool_slots: int,
+    page_size: int,
+    sink_cap: int,
+    win_cap: int,
+) -> Tuple[np.ndarray, np.ndarray]:
     """Folded token indices of every (sequence, KV head) request, and their ``indptr``.
 
     Args:
@@ -86,8 +93,16 @@ def token_lists(table: np.ndarray, page_len: np.ndarray, sink_len: np.ndarray, w
     Raises:
         ValueError: shapes that do not match, or a slot or length outside the layout.
     """
-    return _core.fold_token_lists(table, page_len, sink_len, win_len, pool_slots=pool_slots,
-                                  page_size=page_size, sink_cap=sink_cap, win_cap=win_cap)
+    return _core.fold_token_lists(
+        table,
+        page_len,
+        sink_len,
+        win_len,
+        pool_slots=pool_slots,
+        page_size=page_size,
+        sink_cap=sink_cap,
+        win_cap=win_cap,
+    )
 
 
 class FlashInferDecode:
@@ -115,16 +130,30 @@ class FlashInferDecode:
         # request's real length on the device (see the module docstring).
         ones = torch.ones(requests, dtype=torch.int32)
         self._wrapper.plan(
-            torch.arange(requests + 1, dtype=torch.int32), torch.zeros(requests, dtype=torch.int32), ones,
-            num_qo_heads=group, num_kv_heads=1, head_dim=dim, page_size=1,
-            q_data_type=dtype, kv_data_type=dtype, sm_scale=float(scale),
+            torch.arange(requests + 1, dtype=torch.int32),
+            torch.zeros(requests, dtype=torch.int32),
+            ones,
+            num_qo_heads=group,
+            num_kv_heads=1,
+            head_dim=dim,
+            page_size=1,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            sm_scale=float(scale),
         )
         self._last_page_len = torch.ones(requests, dtype=torch.int32, device=self.device)
         self._planned = key
         self.plans += 1
 
-    def run(self, query: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,
-            indptr: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
+    def run(
+        self,
+        query: torch.Tensor,
+        kv_k: torch.Tensor,
+        kv_v: torch.Tensor,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """Attention of ``query`` ``[B, H*G, D]`` over the tokens that ``indptr``/``indices``
         (device int32, from :func:`token_lists`) name in ``kv_k``/``kv_v`` ``[B, H, T, D]``
         (contiguous). Returns ``[B, H*G, D]`` in the query's dtype."""

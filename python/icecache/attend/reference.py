@@ -85,8 +85,7 @@ def sparse_decode_attention(
     keys = torch.cat([sink_k, _gather_pages(pool_k, table), win_k], dim=2).float().masked_fill(empty, 0.0)
     values = torch.cat([sink_v, _gather_pages(pool_v, table), win_v], dim=2).float().masked_fill(empty, 0.0)
     q = query.reshape(B, H, Hq // H, D).float()
-    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, :, None, :],
-                                                           scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, :, None, :], scale=scale)
     return out.reshape(B, Hq, D).to(query.dtype)
 
 

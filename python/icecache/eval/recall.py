@@ -114,7 +114,10 @@ DEFAULT_BUDGETS: Tuple[int, ...] = (64, 128, 256, 512)
 METHODS: Tuple[str, ...] = ("oracle", "quest", "streamingllm", "icecache", "reference")
 #: Extra methods for investigating IceCache's losses.
 DIAGNOSTIC_METHODS: Tuple[str, ...] = (
-    "icecache_pagemass", "icecache_maxkey", "reference_pagemass", "quest_pagemass",
+    "icecache_pagemass",
+    "icecache_maxkey",
+    "reference_pagemass",
+    "quest_pagemass",
 )
 #: Human-readable names for tables and plots.
 METHOD_LABELS: Dict[str, str] = {
@@ -215,8 +218,9 @@ class _NoBar:
         pass
 
 
-def _cache_path(cache_dir: Path, model: str, n_docs: int, i: int, n_tokens: int, seed: int,
-                positions: np.ndarray) -> Path:
+def _cache_path(
+    cache_dir: Path, model: str, n_docs: int, i: int, n_tokens: int, seed: int, positions: np.ndarray
+) -> Path:
     tag = hashlib.sha256(np.asarray(positions, np.int64).tobytes()).hexdigest()[:10]
     return cache_dir / f"{model}_v{_CACHE_FORMAT}_T{n_tokens}_s{seed}_doc{i}of{n_docs}_q{tag}.npz"
 
@@ -291,9 +295,13 @@ def load_or_capture(
             bad = [l for l in want if l not in index]
             if bad:
                 raise ValueError(f"{model} has no layer(s) {bad} (it has {len(layer_ids)})")
-            out.append(DocQKV(positions=pos.copy(),
-                              layers={l: (q[index[l]], k[index[l]], v[index[l]]) for l in want},
-                              name=path.name))
+            out.append(
+                DocQKV(
+                    positions=pos.copy(),
+                    layers={l: (q[index[l]], k[index[l]], v[index[l]]) for l in want},
+                    name=path.name,
+                )
+            )
             bar.update(1)
     finally:
         bar.close()
@@ -311,8 +319,7 @@ def _capture_to(path: Path, model: Any, ids: Sequence[int], pos: np.ndarray) -> 
     del data
     # A concurrent or interrupted capture leaves no half file.
     with atomic_file(path) as part, open(part, "wb") as f:
-        np.savez(f, q=q, k=k, v=v, layers=layer_ids, positions=pos,
-                 tokens=np.asarray(ids, dtype=np.int32))
+        np.savez(f, q=q, k=k, v=v, layers=layer_ids, positions=pos, tokens=np.asarray(ids, dtype=np.int32))
 
 
 # ----------------------------------------------------------------------------------- result
@@ -392,17 +399,19 @@ class RecallResult:
         rows = []
         for b in self.budgets:
             for m in self.methods:
-                rows.append(dict(
-                    budget=b,
-                    method=m,
-                    selection=self._selection_text(m, b),
-                    recall_mean=self.mean(m, b),
-                    recall_worst5=self.worst(m, b),
-                    middle_recall=self.mean(m, b, "middle_recall"),
-                    output_error=self.mean(m, b, "output_error"),
-                    page_fill=self.fill(m, b),
-                    max_charged=int(np.max(self.charged[self._mi(m), self._bi(b)])),
-                ))
+                rows.append(
+                    dict(
+                        budget=b,
+                        method=m,
+                        selection=self._selection_text(m, b),
+                        recall_mean=self.mean(m, b),
+                        recall_worst5=self.worst(m, b),
+                        middle_recall=self.mean(m, b, "middle_recall"),
+                        output_error=self.mean(m, b, "output_error"),
+                        page_fill=self.fill(m, b),
+                        max_charged=int(np.max(self.charged[self._mi(m), self._bi(b)])),
+                    )
+                )
         return rows
 
     def _selection_text(self, method: str, budget: int) -> str:
@@ -427,7 +436,8 @@ class RecallResult:
         """The results as a markdown table, with the protocol in a header paragraph."""
         n_samples = self.recall.shape[-1]
         head = [
-            "### Attention-mass recall, SmolLM2-135M" if self.info.get("model") == "smollm2"
+            "### Attention-mass recall, SmolLM2-135M"
+            if self.info.get("model") == "smollm2"
             else "### Attention-mass recall",
             "",
             self.budget_rule(),
@@ -455,13 +465,24 @@ class RecallResult:
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready summary: settings, table rows, per-layer recall, timings."""
         return dict(
-            methods=self.methods, budgets=self.budgets, layers=self.layers,
-            n_kv_heads=self.n_kv_heads, group=self.group, sink=self.sink, window=self.window,
-            page_size=self.page_size, n_docs=self.n_docs, positions=self.positions,
-            budget_rule=self.budget_rule(), rows=self.summary(),
-            per_layer_recall={m: {str(b): [round(float(x), 5) for x in self.per_layer(m, b)]
-                                  for b in self.budgets} for m in self.methods},
-            timings=self.timings, info=self.info,
+            methods=self.methods,
+            budgets=self.budgets,
+            layers=self.layers,
+            n_kv_heads=self.n_kv_heads,
+            group=self.group,
+            sink=self.sink,
+            window=self.window,
+            page_size=self.page_size,
+            n_docs=self.n_docs,
+            positions=self.positions,
+            budget_rule=self.budget_rule(),
+            rows=self.summary(),
+            per_layer_recall={
+                m: {str(b): [round(float(x), 5) for x in self.per_layer(m, b)] for b in self.budgets}
+                for m in self.methods
+            },
+            timings=self.timings,
+            info=self.info,
         )
 
     def save_table(self, path: Union[str, os.PathLike]) -> Path:
@@ -511,7 +532,9 @@ class RecallResult:
         fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
         fig.suptitle(
             f"KV selection quality on real data ({self.n_docs} doc(s), layers {_ranges(self.layers)}; "
-            f"sink {self.sink}, window {self.window}, page size {self.page_size})", fontsize=11)
+            f"sink {self.sink}, window {self.window}, page size {self.page_size})",
+            fontsize=11,
+        )
         n_rows = -(-len(self.methods) // 3)
         fig.tight_layout(rect=(0, 0.025 * n_rows + 0.01, 1, 1))
         path = Path(path)
@@ -550,13 +573,13 @@ class _Query:
     """Everything the methods need about one (layer, query position): all KV heads at once."""
 
     def __init__(self, qg, k_mid, raw_mid, p_mid, kbounds, page_size, forests):
-        self.qg = qg              # [H_kv, G, D] float32 queries of each group
-        self.k_mid = k_mid        # [H_kv, n_mid, D] float32 middle keys
-        self.raw_mid = raw_mid    # [H_kv, G, n_mid] raw q.k of the middle
-        self.p_mid = p_mid        # [H_kv, G, n_mid] full-context softmax weights of the middle
-        self.kbounds = kbounds    # (kmin, kmax) [H_kv, P, D] of the positional pages
+        self.qg = qg  # [H_kv, G, D] float32 queries of each group
+        self.k_mid = k_mid  # [H_kv, n_mid, D] float32 middle keys
+        self.raw_mid = raw_mid  # [H_kv, G, n_mid] raw q.k of the middle
+        self.p_mid = p_mid  # [H_kv, G, n_mid] full-context softmax weights of the middle
+        self.kbounds = kbounds  # (kmin, kmax) [H_kv, P, D] of the positional pages
         self.page = page_size
-        self.forests = forests    # callable: config name -> _Forest (built lazily)
+        self.forests = forests  # callable: config name -> _Forest (built lazily)
         self.n_kv, self.n_mid = k_mid.shape[0], k_mid.shape[1]
 
 
@@ -626,8 +649,9 @@ def _positional_tokens(pages: np.ndarray, page: int, n_mid: int) -> np.ndarray:
     return t[t < n_mid]
 
 
-def _page_sel(ctx: _Query, budgets_pages: Sequence[int], pick: Callable[[int, int], Tuple[np.ndarray, np.ndarray]]
-              ) -> List[_Sel]:
+def _page_sel(
+    ctx: _Query, budgets_pages: Sequence[int], pick: Callable[[int, int], Tuple[np.ndarray, np.ndarray]]
+) -> List[_Sel]:
     """Selections for each page allowance; ``pick(h, n) -> (pages, tokens)``."""
     out = []
     for n in budgets_pages:
@@ -681,8 +705,15 @@ def _sel_quest_mass(ctx: _Query, extras: Sequence[int], pages: Sequence[int]) ->
     return _page_sel(ctx, pages, lambda h, n: (rank[h, :n], _positional_tokens(rank[h, :n], ctx.page, ctx.n_mid)))
 
 
-def _sel_forest_select(ctx: _Query, extras: Sequence[int], pages: Sequence[int], *, scale: float,
-                       effort: Optional[float], timings: Dict[str, float]) -> List[_Sel]:
+def _sel_forest_select(
+    ctx: _Query,
+    extras: Sequence[int],
+    pages: Sequence[int],
+    *,
+    scale: float,
+    effort: Optional[float],
+    timings: Dict[str, float],
+) -> List[_Sel]:
     f = ctx.forests("default")
     H_kv, G, D = ctx.qg.shape
     queries = np.ascontiguousarray(ctx.qg.reshape(H_kv * G, D), dtype=np.float32)
@@ -702,7 +733,11 @@ def _sel_forest_select(ctx: _Query, extras: Sequence[int], pages: Sequence[int],
         if sel.shape != (H_kv, n) or not 0 <= c <= n:
             raise RuntimeError(f"HeadForest.select returned pages {sel.shape} / count {c} for max_pages={n}")
         pg = sel[h, :c].astype(np.int64)
-        if np.any(sel[h, c:] != -1) or len(np.unique(pg)) != c or (c and (pg.min() < 0 or pg.max() >= f.hf.num_pages(h))):
+        if (
+            np.any(sel[h, c:] != -1)
+            or len(np.unique(pg)) != c
+            or (c and (pg.min() < 0 or pg.max() >= f.hf.num_pages(h)))
+        ):
             raise RuntimeError(f"HeadForest.select returned invalid pages for head {h}: {sel[h]} (count {c})")
         return pg, f.tokens(h, pg)
 
@@ -747,16 +782,19 @@ def _resolve_methods(methods: Optional[Sequence[str]], diagnostics: bool) -> Lis
         if not _have_headforest():
             dropped = [m for m in chosen if m in _FOREST_OF]
             chosen = [m for m in chosen if m not in _FOREST_OF]
-            warnings.warn(f"icecache.HeadForest is not available in this build: skipping {dropped}",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"icecache.HeadForest is not available in this build: skipping {dropped}", RuntimeWarning, stacklevel=3
+            )
         return chosen
     chosen = list(dict.fromkeys(methods))
     bad = [m for m in chosen if m not in known]
     if bad:
         raise ValueError(f"unknown method(s) {bad}; known: {sorted(known)}")
     if any(m in _FOREST_OF for m in chosen) and not _have_headforest():
-        raise RuntimeError("icecache.HeadForest is not available in this build: "
-                           f"cannot evaluate {[m for m in chosen if m in _FOREST_OF]}")
+        raise RuntimeError(
+            "icecache.HeadForest is not available in this build: "
+            f"cannot evaluate {[m for m in chosen if m in _FOREST_OF]}"
+        )
     return chosen
 
 
@@ -856,9 +894,25 @@ def evaluate_qkv(
             for li, l in enumerate(layers):
                 q, k, v = d.layers[l]
                 _eval_layer(
-                    np.asarray(q, np.float32), np.asarray(k, np.float32), np.asarray(v, np.float64), pos,
-                    methods, selectors, extras, page_allow, sink, window, page_size, scale, seed, threads,
-                    configs, timings, arrays, li, s0,
+                    np.asarray(q, np.float32),
+                    np.asarray(k, np.float32),
+                    np.asarray(v, np.float64),
+                    pos,
+                    methods,
+                    selectors,
+                    extras,
+                    page_allow,
+                    sink,
+                    window,
+                    page_size,
+                    scale,
+                    seed,
+                    threads,
+                    configs,
+                    timings,
+                    arrays,
+                    li,
+                    s0,
                 )
                 bar.update(1)
             s0 += len(pos)
@@ -871,17 +925,43 @@ def evaluate_qkv(
         raise AssertionError("a selection was charged more than its budget")  # never: checked by tests
     arrays["charged"] = arrays["charged"] + sink + window
     return RecallResult(
-        methods=methods, budgets=budgets, layers=layers, n_kv_heads=H_kv, group=G, sink=sink,
-        window=window, page_size=page_size, n_docs=len(docs),
-        positions=[[int(x) for x in d.positions] for d in docs], timings=timings,
-        info=dict(seed=seed, effort=effort, forest_kwargs=fkw, reference_kwargs=rkw,
-                  n_samples=n_samples),
+        methods=methods,
+        budgets=budgets,
+        layers=layers,
+        n_kv_heads=H_kv,
+        group=G,
+        sink=sink,
+        window=window,
+        page_size=page_size,
+        n_docs=len(docs),
+        positions=[[int(x) for x in d.positions] for d in docs],
+        timings=timings,
+        info=dict(seed=seed, effort=effort, forest_kwargs=fkw, reference_kwargs=rkw, n_samples=n_samples),
         **arrays,
     )
 
 
-def _eval_layer(q, k, v, pos, methods, selectors, extras, page_allow, sink, window, page, scale, seed,
-                threads, configs, timings, arrays, li, s0):
+def _eval_layer(
+    q,
+    k,
+    v,
+    pos,
+    methods,
+    selectors,
+    extras,
+    page_allow,
+    sink,
+    window,
+    page,
+    scale,
+    seed,
+    threads,
+    configs,
+    timings,
+    arrays,
+    li,
+    s0,
+):
     """All queries of one (document, layer): fills ``arrays[:, :, li, :, s0:s0 + nq]``.
 
     The big products (logits, full and sink+window attention outputs of all queries) are three
@@ -913,7 +993,7 @@ def _eval_layer(q, k, v, pos, methods, selectors, extras, page_allow, sink, wind
     # Quest's positional page bounds: pages [sink + page*j, sink + page*(j+1)) are the same for
     # every query; only the last (partial) page of a query's middle needs its own bound.
     P_all = (T - sink) // page
-    kp = k[:, sink: sink + P_all * page].reshape(H_kv, P_all, page, D)
+    kp = k[:, sink : sink + P_all * page].reshape(H_kv, P_all, page, D)
     kmin_all, kmax_all = kp.min(2), kp.max(2)
     need_quest = any(m in ("quest", "quest_pagemass") for m in methods)
 
@@ -927,7 +1007,7 @@ def _eval_layer(q, k, v, pos, methods, selectors, extras, page_allow, sink, wind
             nf = n_mid // page
             kmin, kmax = kmin_all[:, :nf], kmax_all[:, :nf]
             if n_mid % page:
-                tail = k_mid[:, nf * page:]
+                tail = k_mid[:, nf * page :]
                 kmin = np.concatenate([kmin, tail.min(1, keepdims=True)], axis=1)
                 kmax = np.concatenate([kmax, tail.max(1, keepdims=True)], axis=1)
             kbounds = (kmin, kmax)
@@ -967,8 +1047,7 @@ def _eval_layer(q, k, v, pos, methods, selectors, extras, page_allow, sink, wind
                 err = np.linalg.norm(o_sel - of, axis=-1) / of_norm
                 sl = (mi, bi, li, slice(None), s0 + qi)
                 arrays["recall"][sl] = mass.mean(-1)
-                arrays["middle_recall"][sl] = np.where(
-                    mt > 1e-12, sel_mass.sum(-1) / np.maximum(mt, 1e-300), 1.0)
+                arrays["middle_recall"][sl] = np.where(mt > 1e-12, sel_mass.sum(-1) / np.maximum(mt, 1e-300), 1.0)
                 arrays["output_error"][sl] = err.mean(-1)
                 arrays["pages"][sl] = npages
                 arrays["tokens"][sl] = [len(x) for x in toks]
@@ -1011,8 +1090,17 @@ def evaluate_recall(
         The :class:`RecallResult` (``.to_markdown()`` is the table).
     """
     t0 = time.perf_counter()
-    docs = load_or_capture(n_docs, n_tokens, n_queries=n_queries, query_frac=query_frac, layers=None,
-                           model=model, seed=seed, cache_dir=cache_dir, progress=progress)
+    docs = load_or_capture(
+        n_docs,
+        n_tokens,
+        n_queries=n_queries,
+        query_frac=query_frac,
+        layers=None,
+        model=model,
+        seed=seed,
+        cache_dir=cache_dir,
+        progress=progress,
+    )
     all_layers = sorted(docs[0].layers)
     if layers is None:
         layers = [l for l in all_layers if l >= 2]
@@ -1023,8 +1111,18 @@ def evaluate_recall(
     for d in docs:
         d.layers = {l: d.layers[l] for l in layers}
     t_cap = time.perf_counter() - t0
-    res = evaluate_qkv(docs, budgets, methods, diagnostics=diagnostics, sink=sink, window=window,
-                       page_size=page_size, seed=seed, effort=effort, progress=progress)
+    res = evaluate_qkv(
+        docs,
+        budgets,
+        methods,
+        diagnostics=diagnostics,
+        sink=sink,
+        window=window,
+        page_size=page_size,
+        seed=seed,
+        effort=effort,
+        progress=progress,
+    )
     res.timings["capture_or_load_s"] = t_cap
     res.timings["total_s"] = time.perf_counter() - t0
     res.info.update(model=model, n_tokens=n_tokens, n_queries=n_queries, query_frac=query_frac)

@@ -25,8 +25,7 @@ def _layer_types(text_config: Any) -> List[str]:
     model_type = getattr(text_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"IceCache does not support model type {model_type!r}; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"IceCache does not support model type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if getattr(text_config, "attn_logit_softcapping", None) is not None:
         raise ValueError("IceCache does not support attention logit soft-capping (attn_logit_softcapping)")
@@ -101,9 +100,15 @@ class IceCache(Cache):
         enable(model)
 
     @classmethod
-    def from_prefilled(cls, config: Optional[IceCacheConfig], model: Any, cache: Cache,
-                       attention_mask: Optional[torch.Tensor] = None, *, track_recall: bool = False,
-                       ) -> "IceCache":
+    def from_prefilled(
+        cls,
+        config: Optional[IceCacheConfig],
+        model: Any,
+        cache: Cache,
+        attention_mask: Optional[torch.Tensor] = None,
+        *,
+        track_recall: bool = False,
+    ) -> "IceCache":
         """An IceCache holding a prompt that already ran with a full cache (e.g. a
         ``DynamicCache``), as if it had run with this IceCache: prefill attention is exact
         either way. Lets one prefill serve several configurations, or a prefill done elsewhere

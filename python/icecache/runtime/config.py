@@ -64,8 +64,7 @@ class IceCacheConfig:
     def __post_init__(self) -> None:
         if self.attention not in _ATTENTION:
             raise ValueError(
-                f"IceCacheConfig.attention must be one of {', '.join(map(repr, _ATTENTION))}, "
-                f"got {self.attention!r}"
+                f"IceCacheConfig.attention must be one of {', '.join(map(repr, _ATTENTION))}, got {self.attention!r}"
             )
         for name in ("budget", "page_size", "sink", "window", "full_layers", "reuse"):
             value = getattr(self, name)

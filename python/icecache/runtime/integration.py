@@ -79,10 +79,12 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if layer is None or not layer.decoding:
         if query.shape[2] == 1 and query.is_cuda:
             with sdpa_kernel(_DECODE_BACKENDS):
-                return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                              scaling=scaling, **kwargs)
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                     scaling=scaling, **kwargs)
+                return sdpa_attention_forward(
+                    module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+                )
+        out = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
         if layer is not None:
             layer.ingest_prompt(_valid_positions(attention_mask))
         return out

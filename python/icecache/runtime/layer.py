@@ -13,7 +13,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from icecache import _core
-from icecache.attend import attention_recall, flashinfer as fi, sparse_decode_attention
+from icecache.attend import attention_recall, sparse_decode_attention
+from icecache.attend import flashinfer as fi
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import hand_off
 from icecache.runtime.pages import History, PageIndex, PageStore, numpy_view
@@ -76,8 +77,10 @@ class Runtime:
         self.transit = Transit(self.device)
         choice = self.config.attention
         if choice == "flashinfer" and not (self.device.type == "cuda" and fi.available()):
-            raise ValueError("IceCacheConfig(attention='flashinfer') needs a CUDA device and FlashInfer "
-                             "(pip install icecache[gpu]); use 'auto' to fall back to torch")
+            raise ValueError(
+                "IceCacheConfig(attention='flashinfer') needs a CUDA device and FlashInfer "
+                "(pip install icecache[gpu]); use 'auto' to fall back to torch"
+            )
         if choice != "torch" and self.device.type == "cuda" and fi.available():
             self.flashinfer = fi.FlashInferDecode(self.device)
 
@@ -88,8 +91,10 @@ class Runtime:
         if fi.supports(self.device, dtype, head_dim):
             return True
         if self.config.attention == "flashinfer":
-            raise ValueError(f"FlashInfer decode serves fp16/bf16 with head dim 64, 128 or 256, "
-                             f"not {dtype} with head dim {head_dim}; use attention='auto' or 'torch'")
+            raise ValueError(
+                f"FlashInfer decode serves fp16/bf16 with head dim 64, 128 or 256, "
+                f"not {dtype} with head dim {head_dim}; use attention='auto' or 'torch'"
+            )
         return False
 
     def submit(self, fn, *args) -> None:
@@ -332,8 +337,18 @@ class IceLayer(CacheLayerMixin):
             out = rt.flashinfer.run(q, self.kv_k, self.kv_v, meta["fi_indptr"], meta["fi_indices"], scale)
         else:
             out = sparse_decode_attention(
-                q, self.sink_k, self.sink_v, meta["sink_len"], self.pool_k, self.pool_v, meta["table"],
-                meta["page_len"], self.win_k, self.win_v, meta["win_len"], scale,
+                q,
+                self.sink_k,
+                self.sink_v,
+                meta["sink_len"],
+                self.pool_k,
+                self.pool_v,
+                meta["table"],
+                meta["page_len"],
+                self.win_k,
+                self.win_v,
+                meta["win_len"],
+                scale,
             )
         t4 = rt.tick()
 
@@ -368,12 +383,19 @@ class IceLayer(CacheLayerMixin):
         }
         if self.use_flashinfer:
             parts["fi_indptr"], parts["fi_indices"] = fi.token_lists(
-                table, page_len, np.asarray(self.sink_len), np.asarray(self.win_len),
-                cfg.device_pages, S, cfg.sink, cfg.window,
+                table,
+                page_len,
+                np.asarray(self.sink_len),
+                np.asarray(self.win_len),
+                cfg.device_pages,
+                S,
+                cfg.sink,
+                cfg.window,
             )
         else:
-            parts.update(sink_len=np.asarray(self.sink_len), win_len=np.asarray(self.win_len),
-                         table=table, page_len=page_len)
+            parts.update(
+                sink_len=np.asarray(self.sink_len), win_len=np.asarray(self.win_len), table=table, page_len=page_len
+            )
         # Each part starts 16-byte aligned in the upload.
         starts, at = {}, 0
         for name, a in parts.items():
@@ -387,8 +409,13 @@ class IceLayer(CacheLayerMixin):
         for b, (heads, pages, _, _) in enumerate(plans):
             m = len(heads)
             if m:
-                _core.gather_pages(*self.stores[b].views(), heads, pages,
-                                   numpy_view(k_rows[start : start + m]), numpy_view(v_rows[start : start + m]))
+                _core.gather_pages(
+                    *self.stores[b].views(),
+                    heads,
+                    pages,
+                    numpy_view(k_rows[start : start + m]),
+                    numpy_view(v_rows[start : start + m]),
+                )
                 start += m
         return parts, starts, n
 
@@ -400,8 +427,12 @@ class IceLayer(CacheLayerMixin):
             dense = torch.cat([self.sink_k[b, :, :s], self.win_k[b, :, :w]], dim=1).cpu()
             pages = index.lens.shape[1]
             recall = attention_recall(
-                q[b].cpu(), dense, self.stores[b].k[:, :pages], torch.from_numpy(index.lens),
-                torch.from_numpy(index.selection[0]), scale,
+                q[b].cpu(),
+                dense,
+                self.stores[b].k[:, :pages],
+                torch.from_numpy(index.lens),
+                torch.from_numpy(index.selection[0]),
+                scale,
             )
             self.runtime.stats.recalls.append(float(recall.mean()))
 

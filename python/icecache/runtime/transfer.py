@@ -41,8 +41,14 @@ class Staging:
         self._turn = 0  # buffer that the next begin() call fills
         self._layout: Optional[tuple] = None  # (buffer, meta_len, rows_at, end, rows shape, dtype)
 
-    def begin(self, meta_len: int, n: int, page_size: int, dim: int, dtype: torch.dtype,
-              ) -> Tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    def begin(
+        self,
+        meta_len: int,
+        n: int,
+        page_size: int,
+        dim: int,
+        dtype: torch.dtype,
+    ) -> Tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """Host views for one step: ``(meta [meta_len] int32, k_rows [n, S, D], v_rows [n, S, D])``."""
         i = self._turn
         if self.pin:
