@@ -4,7 +4,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use half::{bf16, f16};
 use numpy::ndarray::Array2;
@@ -21,6 +21,8 @@ use crate::pages::HeadForest;
 use crate::select::SelectParams;
 use crate::{Error, KeyData, ResidentPages};
 
+mod lookahead;
+
 create_exception!(
     _core,
     IndexFileError,
@@ -28,12 +30,13 @@ create_exception!(
     "A save file is truncated, corrupted, or of an unsupported format version."
 );
 
-fn to_py(e: Error) -> PyErr {
+pub(crate) fn to_py(e: Error) -> PyErr {
     match e {
         Error::Invalid(m) => PyValueError::new_err(m),
         Error::UnknownId(id) => PyKeyError::new_err(format!("unknown id {id}")),
         Error::File(m) => IndexFileError::new_err(m),
         Error::Io(e) => e.into(),
+        Error::Worker(m) => PyRuntimeError::new_err(m),
     }
 }
 
@@ -71,7 +74,7 @@ enum Keys<'py> {
 
 /// `obj` as a NumPy array: arrays pass through; torch tensors and sequences are converted by
 /// `icecache._arrays.as_numpy` (zero-copy for CPU tensors).
-fn numpy_of<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, numpy::PyUntypedArray>> {
+pub(crate) fn numpy_of<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, numpy::PyUntypedArray>> {
     if let Ok(a) = obj.downcast::<numpy::PyUntypedArray>() {
         return Ok(a.clone());
     }
@@ -421,8 +424,21 @@ fn int_array<'py, T: numpy::Element + Copy>(obj: &Bound<'py, PyAny>, what: &str)
 /// See ``icecache/_core.pyi`` for the full documentation.
 #[pyclass(name = "HeadForest", module = "icecache._core")]
 pub struct PyHeadForest {
-    inner: HeadForest,
+    /// Shared with the look-ahead worker's jobs (`bindings::lookahead`).
+    pub(crate) inner: Arc<RwLock<HeadForest>>,
     pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+impl PyHeadForest {
+    // The core never panics while it holds the lock, so a poisoned lock still guards a
+    // consistent forest.
+    fn read(&self) -> RwLockReadGuard<'_, HeadForest> {
+        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, HeadForest> {
+        self.inner.write().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 #[pymethods]
@@ -447,55 +463,57 @@ impl PyHeadForest {
         let pool = make_pool(threads)?;
         let data = keys.data();
         let inner = run(py, &pool, true, || HeadForest::build(data, shape[0], cfg, page_size))?;
-        Ok(PyHeadForest { inner, pool })
+        Ok(PyHeadForest { inner: Arc::new(RwLock::new(inner)), pool })
     }
 
     /// KV heads.
     #[getter]
     fn num_heads(&self) -> usize {
-        self.inner.num_heads()
+        self.read().num_heads()
     }
 
     /// Key dimension.
     #[getter]
     fn dim(&self) -> usize {
-        self.inner.dim()
+        self.read().dim()
     }
 
     /// Tokens per page.
     #[getter]
     fn page_size(&self) -> usize {
-        self.inner.page_size()
+        self.read().page_size()
     }
 
     fn __len__(&self) -> usize {
-        self.inner.len()
+        self.read().len()
     }
 
     fn __repr__(&self) -> String {
+        let f = self.read();
         format!(
             "HeadForest(num_heads={}, tokens={}, dim={}, page_size={}, max_pages={})",
-            self.inner.num_heads(),
-            self.inner.len(),
-            self.inner.dim(),
-            self.inner.page_size(),
-            self.inner.max_pages()
+            f.num_heads(),
+            f.len(),
+            f.dim(),
+            f.page_size(),
+            f.max_pages()
         )
     }
 
     /// Pages of ``head``.
     fn num_pages(&self, head: usize) -> PyResult<usize> {
-        self.inner.num_pages(head).map_err(to_py)
+        self.read().num_pages(head).map_err(to_py)
     }
 
     /// Largest page count over the heads.
     fn max_pages(&self) -> usize {
-        self.inner.max_pages()
+        self.read().max_pages()
     }
 
     /// Token positions in ``page`` of ``head``, in slot order.
     fn page_tokens<'py>(&self, py: Python<'py>, head: usize, page: usize) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let t = self.inner.page_tokens(head, page).map_err(to_py)?;
+        let f = self.read();
+        let t = f.page_tokens(head, page).map_err(to_py)?;
         Ok(t.iter().map(|&x| x as i64).collect::<Vec<_>>().into_pyarray(py))
     }
 
@@ -505,7 +523,8 @@ impl PyHeadForest {
         py: Python<'py>,
         head: usize,
     ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
-        let m = self.inner.token_map(head).map_err(to_py)?;
+        let f = self.read();
+        let m = f.token_map(head).map_err(to_py)?;
         let pages: Vec<i32> = m.iter().map(|x| x.0 as i32).collect();
         let slots: Vec<i32> = m.iter().map(|x| x.1 as i32).collect();
         Ok((pages.into_pyarray(py), slots.into_pyarray(py)))
@@ -520,7 +539,8 @@ impl PyHeadForest {
         k_store: &Bound<'_, PyAny>,
         v_store: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (h, n, d, s) = (self.inner.num_heads(), self.inner.len(), self.inner.dim(), self.inner.page_size());
+        let f = self.read();
+        let (h, n, d, s) = (f.num_heads(), f.len(), f.dim(), f.page_size());
         with_elem!(k_store, "k_store", |T| {
             let (ks, kshape) = rw::<T>(k_store, "k_store")?;
             let (vs, vshape) = rw::<T>(v_store, "v_store")?;
@@ -533,13 +553,13 @@ impl PyHeadForest {
             let (mut ks, mut vs) = (ks, vs);
             let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
             let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
-            let inner = &self.inner;
+            let inner = &*f;
             run(py, &self.pool, true, || inner.write_pages(krl, vrl, ksl, vsl))
         })
     }
 
     /// Pages for one decode step: ``(pages [H_kv, max_pages] int32, counts [H_kv] int32)``.
-    #[pyo3(signature = (queries, max_pages, *, scale = None, effort = None, exact = false))]
+    #[pyo3(signature = (queries, max_pages, *, scale = None, effort = None, exact = false, successors = 0))]
     fn select<'py>(
         &self,
         py: Python<'py>,
@@ -548,35 +568,39 @@ impl PyHeadForest {
         scale: Option<f32>,
         effort: Option<f32>,
         exact: bool,
+        successors: usize,
     ) -> PyResult<(Bound<'py, PyArray2<i32>>, Bound<'py, PyArray1<i32>>)> {
-        let (q, _) = Keys::extract(queries, "queries", self.inner.dim())?;
+        let f = self.read();
+        let (q, _) = Keys::extract(queries, "queries", f.dim())?;
         if max_pages < 1 {
             return Err(PyValueError::new_err(format!("max_pages must be at least 1, got {max_pages}")));
         }
         let params = SelectParams {
             max_pages: max_pages as usize,
-            scale: scale.unwrap_or(1.0 / (self.inner.dim() as f32).sqrt()),
-            effort: effort.unwrap_or(self.inner.heads_effort()),
+            scale: scale.unwrap_or(1.0 / (f.dim() as f32).sqrt()),
+            effort: effort.unwrap_or(f.heads_effort()),
             exact,
+            successors,
         };
         let data = q.data();
-        let inner = &self.inner;
+        let inner = &*f;
         let (pages, counts) = run(py, &self.pool, true, || inner.select(&data.to_f32(), params))?;
-        let h = self.inner.num_heads();
+        let h = f.num_heads();
         let pages = Array2::from_shape_vec((h, params.max_pages), pages).expect("shape");
         Ok((pages.into_pyarray(py), counts.into_pyarray(py)))
     }
 
     /// Appends tokens (``[H_kv, m, d]``), writes them into the stores; returns changed pages per head.
     fn insert<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
         values: &Bound<'py, PyAny>,
         k_store: &Bound<'py, PyAny>,
         v_store: &Bound<'py, PyAny>,
     ) -> PyResult<Vec<Bound<'py, PyArray1<i32>>>> {
-        let (h, d, s) = (self.inner.num_heads(), self.inner.dim(), self.inner.page_size());
+        let mut f = self.write();
+        let (h, d, s) = (f.num_heads(), f.dim(), f.page_size());
         let changed = with_elem!(k_store, "k_store", |T| {
             let (ks, kshape) = rw::<T>(k_store, "k_store")?;
             let (vs, vshape) = rw::<T>(v_store, "v_store")?;
@@ -589,7 +613,7 @@ impl PyHeadForest {
             let (mut ks, mut vs) = (ks, vs);
             let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
             let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
-            let inner = &mut self.inner;
+            let inner = &mut *f;
             run(py, &self.pool, true, || inner.insert(krl, vrl, ksl, vsl))
         })?;
         Ok(changed.into_iter().map(|c| c.into_iter().map(|p| p as i32).collect::<Vec<_>>().into_pyarray(py)).collect())
@@ -626,20 +650,35 @@ fn apply_config(
 /// Which pages of each KV head are on the device, and in which slot.
 #[pyclass(name = "ResidentPages", module = "icecache._core")]
 pub struct PyResidentPages {
-    inner: ResidentPages,
+    /// Shared with the look-ahead worker's jobs (`bindings::lookahead`).
+    pub(crate) inner: Arc<Mutex<ResidentPages>>,
+}
+
+impl PyResidentPages {
+    // As for `PyHeadForest::read`: the core does not panic while it holds the lock.
+    fn lock(&self) -> MutexGuard<'_, ResidentPages> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 #[pymethods]
 impl PyResidentPages {
     #[new]
     fn new(num_heads: usize, capacity: usize) -> PyResult<Self> {
-        Ok(PyResidentPages { inner: ResidentPages::new(num_heads, capacity).map_err(to_py)? })
+        Ok(PyResidentPages { inner: Arc::new(Mutex::new(ResidentPages::new(num_heads, capacity).map_err(to_py)?)) })
+    }
+
+    /// ``[H_kv, capacity]`` int32: the page in each device slot, -1 for an empty one.
+    fn slot_pages<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i32>> {
+        let resident = self.lock();
+        let shape = (resident.num_heads(), resident.capacity());
+        Array2::from_shape_vec(shape, resident.slot_pages()).expect("shape").into_pyarray(py)
     }
 
     /// Marks pages of ``head`` stale (reloaded when next selected).
     fn invalidate(&mut self, head: usize, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let (p, _) = int_array::<i64>(pages, "pages")?;
-        self.inner.invalidate(head, &p).map_err(to_py)
+        self.lock().invalidate(head, &p).map_err(to_py)
     }
 
     /// ``(load_heads, load_pages, load_slots, table)`` for one step's selection.
@@ -657,8 +696,9 @@ impl PyResidentPages {
     )> {
         let (p, pshape) = int_array::<i32>(pages, "pages")?;
         let (c, _) = int_array::<i32>(counts, "counts")?;
-        check_shape("pages", &pshape, &[Some(self.inner.num_heads()), None])?;
-        let plan = self.inner.plan(&p, &c).map_err(to_py)?;
+        let mut resident = self.lock();
+        check_shape("pages", &pshape, &[Some(resident.num_heads()), None])?;
+        let plan = resident.plan(&p, &c).map_err(to_py)?;
         let table = Array2::from_shape_vec((pshape[0], pshape[1]), plan.table).expect("shape");
         Ok((
             plan.heads.into_pyarray(py),
@@ -734,6 +774,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDciIndex>()?;
     m.add_class::<PyHeadForest>()?;
     m.add_class::<PyResidentPages>()?;
+    m.add_class::<lookahead::PyLookAhead>()?;
+    m.add_class::<lookahead::PyLookAheadLayer>()?;
+    m.add_class::<lookahead::PyOutcome>()?;
     m.add_function(wrap_pyfunction!(gather_pages, m)?)?;
     m.add_function(wrap_pyfunction!(fold_token_lists, m)?)?;
     Ok(())

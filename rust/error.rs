@@ -15,6 +15,9 @@ pub enum Error {
     File(String),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    /// A background job failed or was cancelled (the message says which and why).
+    #[error("{0}")]
+    Worker(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -6,7 +6,9 @@
 //! - [`pages`]: one tree per KV head whose leaf cells are laid out as semantic pages of the CPU
 //!   KV store ([`HeadForest`]), with decode-time inserts;
 //! - [`select`]: the pages a decode step attends to, per KV head (GQA union);
-//! - [`load`]: which pages are resident on the device, and the gather for one bulk copy.
+//! - [`load`]: which pages are resident on the device, and the gather for one bulk copy;
+//! - [`lookahead`]: the decode-time host work of a layer (insert, select, plan, gather) on a
+//!   native worker, off the device's critical path.
 //!
 //! Python types live only in `bindings` (feature `python`).
 
@@ -14,6 +16,7 @@ pub mod error;
 pub mod index;
 pub mod input;
 pub mod load;
+pub mod lookahead;
 pub mod pages;
 pub mod select;
 pub mod simd;

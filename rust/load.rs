@@ -19,6 +19,7 @@ pub struct ResidentPages {
 }
 
 /// What one step must load, and where every selected page lives on the device.
+#[derive(Clone, Debug, Default)]
 pub struct LoadPlan {
     /// Pages to copy, sorted by (head, page) — i.e. by source address in the page store.
     pub heads: Vec<i32>,
@@ -27,6 +28,10 @@ pub struct LoadPlan {
     pub slots: Vec<i32>,
     /// `[H_kv, max_pages]`: device slot of each selected page, -1 past its head's count.
     pub table: Vec<i32>,
+    /// Slots freed because their page changed and was not selected again (`(head, slot)`, by
+    /// head): their device copy is stale, so whoever reads every resident slot (the look-ahead
+    /// ranking on the device) must stop reading them.
+    pub cleared: Vec<(i32, i32)>,
 }
 
 impl ResidentPages {
@@ -47,6 +52,11 @@ impl ResidentPages {
 
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// `[H_kv, capacity]`: the page in each device slot, -1 for an empty one.
+    pub fn slot_pages(&self) -> Vec<i32> {
+        self.slots.iter().flatten().map(|&(p, _, _)| if p == EMPTY { -1 } else { p as i32 }).collect()
     }
 
     /// Marks `pages` of `head` stale: they are reloaded the next time they are selected.
@@ -80,7 +90,13 @@ impl ResidentPages {
         }
         self.step += 1;
         let step = self.step;
-        let mut plan = LoadPlan { heads: Vec::new(), pages: Vec::new(), slots: Vec::new(), table: vec![-1; h * width] };
+        let mut plan = LoadPlan {
+            heads: Vec::new(),
+            pages: Vec::new(),
+            slots: Vec::new(),
+            table: vec![-1; h * width],
+            cleared: Vec::new(),
+        };
         for hi in 0..h {
             let sel = &pages[hi * width..hi * width + counts[hi] as usize];
             let (slots, slot_of) = (&mut self.slots[hi], &mut self.slot_of[hi]);
@@ -104,9 +120,10 @@ impl ResidentPages {
                     }
                 }
             }
-            // Free slots first, then the least recently used of those not needed this step.
+            // Free and stale slots first, then the least recently used of those not needed this
+            // step.
             let mut victims: Vec<usize> = (0..self.capacity).filter(|&s| slots[s].1 != step).collect();
-            victims.sort_by_key(|&s| (slots[s].0 != EMPTY, slots[s].1));
+            victims.sort_by_key(|&s| (slots[s].0 != EMPTY && !slots[s].2, slots[s].1));
             for (i, s) in missing.into_iter().zip(victims) {
                 let p = sel[i] as u32;
                 let old = slots[s].0;
@@ -120,6 +137,14 @@ impl ResidentPages {
                 plan.pages.push(p as i32);
                 plan.slots.push(s as i32);
             }
+            // Stale pages that were not selected again leave the device.
+            for (s, entry) in slots.iter_mut().enumerate() {
+                if entry.2 && entry.0 != EMPTY {
+                    slot_of[entry.0 as usize] = EMPTY;
+                    *entry = (EMPTY, 0, false);
+                    plan.cleared.push((hi as i32, s as i32));
+                }
+            }
         }
         // Source-address order: (head, page) ascending.
         let mut order: Vec<usize> = (0..plan.pages.len()).collect();
@@ -130,6 +155,7 @@ impl ResidentPages {
             pages: pick(&plan.pages),
             slots: pick(&plan.slots),
             table: plan.table,
+            cleared: plan.cleared,
         };
         Ok(plan)
     }

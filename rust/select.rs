@@ -25,6 +25,10 @@ pub struct SelectParams {
     pub effort: f32,
     /// Score every key exactly instead of searching.
     pub exact: bool,
+    /// The weight of each query head's `successors` heaviest keys also goes to the page of
+    /// the next position: attention that moves on by one token (a head copying text from the
+    /// context) finds that page selected already. 0: off.
+    pub successors: usize,
 }
 
 impl HeadForest {
@@ -51,11 +55,24 @@ impl HeadForest {
                     scored.clear();
                     hp.index.scan_scores(q, pool, p.effort, p.exact, scratch, scored);
                     logits.clear();
-                    logits.extend(scored.iter().map(|&(s, _)| s * p.scale));
+                    logits.extend(scored.iter().map(|s| s.score * p.scale));
                     let total = simd::softmax_numerators(logits);
                     let mut w = vec![0f32; hp.pages.len()];
-                    for (&(_, page), &x) in scored.iter().zip(logits.iter()) {
-                        w[page as usize] += x / total;
+                    for (s, &x) in scored.iter().zip(logits.iter()) {
+                        w[s.tag as usize] += x / total;
+                    }
+                    if p.successors > 0 {
+                        let n = p.successors.min(scored.len());
+                        let mut top: Vec<usize> = (0..scored.len()).collect();
+                        if n < top.len() {
+                            top.select_nth_unstable_by(n - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+                        }
+                        for &i in &top[..n] {
+                            let next = hp.index.slot_id(scored[i].slot) as usize + 1;
+                            if let Some(&(page, _)) = hp.token_page.get(next) {
+                                w[page as usize] += logits[i] / total;
+                            }
+                        }
                     }
                     w
                 },

@@ -110,7 +110,7 @@ fn exact_selection_matches_reference() {
     let q = keys(1, h * g, d, 9);
     let scale = 0.25;
     let max_pages = 7;
-    let (pages, counts) = f.select(&q, SelectParams { max_pages, scale, effort: 1.0, exact: true }).unwrap();
+    let (pages, counts) = f.select(&q, SelectParams { max_pages, scale, effort: 1.0, exact: true, successors: 0 }).unwrap();
     for kv in 0..h {
         let np = f.num_pages(kv).unwrap();
         let mut mass = vec![0f64; np];
@@ -150,7 +150,7 @@ fn full_budget_selects_all_pages() {
     let q = keys(1, 4, d, 5);
     let max_pages = f.max_pages() + 3;
     for exact in [true, false] {
-        let (pages, counts) = f.select(&q, SelectParams { max_pages, scale: 0.1, effort: 100.0, exact }).unwrap();
+        let (pages, counts) = f.select(&q, SelectParams { max_pages, scale: 0.1, effort: 100.0, exact, successors: 0 }).unwrap();
         for kv in 0..h {
             let np = f.num_pages(kv).unwrap();
             assert_eq!(counts[kv] as usize, np, "exact={exact}");
@@ -215,7 +215,7 @@ fn bad_input_changes_nothing() {
     assert!(HeadForest::build(KeyData::F32(&k), h, Config::new(d, Metric::L2), 8).is_err(), "metric");
     let mut f = forest(&k, h, d, s);
     let q = keys(1, 3, d, 8);
-    let ok = SelectParams { max_pages: 4, scale: 0.3, effort: 1.0, exact: false };
+    let ok = SelectParams { max_pages: 4, scale: 0.3, effort: 1.0, exact: false, successors: 0 };
     assert!(f.select(&q, ok).is_err(), "3 query heads for 2 KV heads");
     let q4 = keys(1, 4, d, 8);
     assert!(f.select(&q4, SelectParams { max_pages: 0, ..ok }).is_err());

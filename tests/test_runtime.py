@@ -119,29 +119,66 @@ def ice_layers(cache):
     return [layer for layer in cache.layers if isinstance(layer, IceLayer)]
 
 
-def check_pools(cache):
-    """Every page a layer attended in its last step is on the device exactly as in its store
-    (so no stale copy survived an insert). Returns how many pages were compared."""
+def check_pool(layer):
+    """Right after a layer applied its host job's outcome: every pool slot holds exactly the
+    page the residency map puts there, as in the CPU store (so no stale copy survived an
+    insert), and empty slots are masked out. A reusing layer's pool mirrors its leader's as the
+    leader applied the same step's plan (the map may have moved on since: the leader's next job
+    may have run). Returns how many pages were compared."""
+    cfg = layer.runtime.config
+    C, S = cfg.device_pages, cfg.page_size
+    indexes = layer.indexes if layer.leader is None else layer.leader.indexes
+    lens = layer.pool_valid.view(layer.batch, layer.heads, C, S).sum(-1).cpu()
+    if layer.leader is None:  # what the pages were at this step, for the layers that follow
+        layer.checked = [None if ix.forest is None else _layout(ix) for ix in indexes]
+    else:
+        assert torch.equal(layer.pool_valid, layer.leader.pool_valid)
     checked = 0
-    for layer in ice_layers(cache):
-        indexes = layer.indexes if layer.leader is None else layer.leader.indexes
-        for b, index in enumerate(indexes):
-            if index.selection is None:
+    for b, index in enumerate(indexes):
+        if index.forest is None:
+            continue
+        slot_pages, page_tokens = (layer if layer.leader is None else layer.leader).checked[b]
+        for h, slot in np.ndindex(layer.heads, C):
+            page, n = int(slot_pages[h, slot]), int(lens[b, h, slot])
+            if page < 0:
+                assert n == 0, f"empty slot {slot} of head {h} is attended"
                 continue
-            pages, counts = index.selection
-            table = index.plan[3]
-            for h in range(layer.heads):
-                for j in range(counts[h]):
-                    page, slot = pages[h, j], table[h, j]
-                    n = index.lens[h, page]
-                    assert torch.equal(layer.pool_k[b, h, slot, :n].cpu(), layer.stores[b].k[h, page, :n])
-                    assert torch.equal(layer.pool_v[b, h, slot, :n].cpu(), layer.stores[b].v[h, page, :n])
-                    if layer.leader is not None:  # a reusing layer's store: its own keys, the leader's layout
-                        tokens = torch.from_numpy(index.forest.page_tokens(h, page).astype(np.int64))
-                        assert torch.equal(layer.stores[b].k[h, page, :n], layer.histories[b].k[h, tokens])
-                        assert torch.equal(layer.stores[b].v[h, page, :n], layer.histories[b].v[h, tokens])
-                    checked += 1
+            tokens = page_tokens[h, page]
+            assert n == len(tokens), f"slot {slot} holds {n} tokens of page {page}, which has {len(tokens)}"
+            assert torch.equal(layer.pool_k[b, h, slot, :n].cpu(), layer.stores[b].k[h, page, :n])
+            assert torch.equal(layer.pool_v[b, h, slot, :n].cpu(), layer.stores[b].v[h, page, :n])
+            if layer.leader is not None:  # a reusing layer's store: its own keys, the leader's layout
+                t = torch.from_numpy(tokens.astype(np.int64))
+                assert torch.equal(layer.stores[b].k[h, page, :n], layer.histories[b].k[h, t])
+                assert torch.equal(layer.stores[b].v[h, page, :n], layer.histories[b].v[h, t])
+            checked += 1
     return checked
+
+
+def _layout(index):
+    """The residency map and the tokens of every resident page, now."""
+    slot_pages = index.resident.slot_pages()
+    tokens = {}
+    for h, slot in zip(*np.nonzero(slot_pages >= 0)):
+        page = int(slot_pages[h, slot])
+        tokens[int(h), page] = index.forest.page_tokens(int(h), page)
+    return slot_pages, tokens
+
+
+@pytest.fixture
+def pool_checks(monkeypatch):
+    """Checks every pool (:func:`check_pool`) each time a layer applies a job; yields the list
+    of page counts compared."""
+    counts = []
+    apply = IceLayer._apply
+
+    def checked_apply(self, outcome):
+        out = apply(self, outcome)
+        counts.append(check_pool(self))
+        return out
+
+    monkeypatch.setattr(IceLayer, "_apply", checked_apply)
+    return counts
 
 
 # --------------------------------------------------------------------------- configuration
@@ -158,7 +195,10 @@ def check_pools(cache):
         (dict(reuse=0), r"reuse must be >= 1"),
         (dict(sink=-1), r"sink must be a non-negative int"),
         (dict(budget=256.0), r"budget must be a non-negative int"),
-        (dict(pool_pages=3), r"pool_pages \(3\) must be an int >= the retrieved pages per step \(13\)"),
+        (dict(pool_pages=3), r"pool_pages \(3\) must be an int >= the pages selected per step \(52: superset"),
+        (dict(pool_pages=12, lookahead=False), r"pool_pages \(12\) must be .* \(13: the retrieved pages\)"),
+        (dict(superset_pages=12), r"superset_pages \(12\) must be an int >= the retrieved pages per step \(13\)"),
+        (dict(lookahead=1), r"lookahead must be True or False"),
         (dict(effort=0), r"effort must be > 0"),
         (dict(device="gpu9"), r"device"),
     ],
@@ -171,7 +211,10 @@ def test_bad_config_fails_when_made(kwargs, match):
 def test_config_defaults_and_derived_sizes():
     cfg = IceCacheConfig()
     assert (cfg.budget, cfg.page_size, cfg.sink, cfg.window, cfg.full_layers, cfg.reuse) == (256, 16, 16, 32, 2, 1)
-    assert cfg.retrieved_pages == 13 and cfg.device_pages == 16
+    assert cfg.lookahead and cfg.retrieved_pages == 13 and cfg.selected_pages == 52 and cfg.device_pages == 65
+    fresh = IceCacheConfig(lookahead=False)
+    assert fresh.selected_pages == 13 and fresh.device_pages == 16
+    assert IceCacheConfig(superset_pages=20).device_pages == 33
     assert IceCacheConfig(budget=64).retrieved_pages == 1
     assert icecache.IceCacheConfig is IceCacheConfig and icecache.IceCache is IceCache
 
@@ -287,15 +330,25 @@ def test_attention_recall():
 
 
 @pytest.mark.parametrize(
-    "arch, reuse", [("llama", 1), ("llama", 2), ("qwen2", 1), ("qwen3", 1), ("mistral", 1), ("gemma3", 1)]
+    "arch, reuse, lookahead",
+    [
+        ("llama", 1, True),
+        ("llama", 1, False),
+        ("llama", 2, True),
+        ("qwen2", 1, True),
+        ("qwen3", 1, True),
+        ("mistral", 1, True),
+        ("gemma3", 1, True),
+    ],
 )
-def test_budget_covering_context_equals_full_cache(arch, reuse):
-    """With every page within the budget, IceCache is exact: prefill and 32 decode steps match
-    the full cache. The steps also move two window pages into the index (inserts, reloads)."""
+def test_budget_covering_context_equals_full_cache(arch, reuse, lookahead, pool_checks):
+    """With every page within the budget, IceCache is exact with look-ahead or fresh
+    selection: prefill and 32 decode steps match the full cache. The steps also move two window
+    pages into the index (inserts, reloads)."""
     model = tiny_model(arch)
     ids = prompt_ids(300)
     full = run_steps(model, ids, DynamicCache(config=model.config), 32)
-    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=reuse)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=reuse, lookahead=lookahead)
     cache = IceCache(cfg, model)
     ice = run_steps(model, ids, cache, 32)
     torch.testing.assert_close(ice, full, rtol=1e-4, atol=1e-4)
@@ -303,33 +356,87 @@ def test_budget_covering_context_equals_full_cache(arch, reuse):
     layers = ice_layers(cache)
     assert layers and all(layer.leader is None for layer in layers[::reuse])
     for layer in layers:
+        layer.jobs.wait()  # the look-ahead job of the next step has inserted too
         # sink + offloaded + window account for every token, and the window moved twice.
         index = (layer.indexes if layer.leader is None else layer.leader.indexes)[0]
-        assert layer.sink_len[0] + len(index.forest) + layer.win_len[0] == 332
+        assert layer.sink_len[0] + len(index.forest) + layer.win_len[0] - layer._in_job[0] == 332
         assert len(index.forest) == 300 - 16 - 32 + 2 * 16
-    assert check_pools(cache) > 0
+    assert len(pool_checks) == 32 * len(layers) and sum(pool_checks) > 0
 
 
-@pytest.mark.parametrize("reuse", [1, 2])
-def test_long_generation_inserts_evicts_and_reloads(reuse):
+@pytest.mark.parametrize("reuse, lookahead", [(1, True), (2, True), (1, False)])
+def test_long_generation_inserts_evicts_and_reloads(reuse, lookahead, pool_checks):
     """Small budget and pool: pages are selected, evicted, changed by inserts and reloaded;
-    after every step, the pages attended are on the device exactly as in the CPU stores."""
+    whenever a layer applies a host job, its pool holds exactly the pages the residency map
+    says, as in the CPU stores."""
     model = tiny_model("llama")
-    cfg = IceCacheConfig(budget=96, full_layers=1, reuse=reuse, pool_pages=16)
+    cfg = IceCacheConfig(budget=96, full_layers=1, reuse=reuse, pool_pages=16, lookahead=lookahead)
     cache = IceCache(cfg, model, track_recall=True)
     steps = 96
-    compared = []
-    run_steps(model, prompt_ids(400, seed=3), cache, steps, after_step=lambda: compared.append(check_pools(cache)))
-    assert len(compared) == steps and min(compared) > 0
-    stats = cache.stats
+    run_steps(model, prompt_ids(400, seed=3), cache, steps)
     layers = ice_layers(cache)
+    assert len(pool_checks) == steps * len(layers) and min(pool_checks[len(layers) :]) > 0
+    stats = cache.stats
     assert stats.layer_steps == steps * len(layers)
     # More loads than the pools can hold: pages were evicted and loaded again.
     assert stats.pages_loaded > cfg.device_pages * 2 * len(layers)
     for layer in layers[::reuse]:
+        layer.jobs.wait()
         forest = layer.indexes[0].forest
         assert len(forest) == 400 - 48 + 96 // 16 * 16
     assert 0 < stats.recall <= 1
+    assert len(stats.reranked) == (steps * len(layers) if lookahead else 0)
+
+
+def test_lookahead_keeps_flushed_tokens_attended_until_inserted(pool_checks):
+    """Deterministic window flushes under look-ahead: on every step each token is attended
+    exactly once (window or page), so with the budget covering the context the output equals
+    the full cache on every step, including the steps right after a flush, whose insert lands
+    one step later."""
+    model = tiny_model("llama")
+    ids = prompt_ids(200, seed=11)
+    full = run_steps(model, ids, DynamicCache(config=model.config), 70)
+    cache = IceCache(IceCacheConfig(budget=2048, full_layers=1, window=16), model)
+    seen = []
+
+    def after_step():
+        layer = ice_layers(cache)[0]
+        seen.append((layer.win_len[0], sum(layer._in_job)))
+
+    ice = run_steps(model, ids, cache, 70, after_step=after_step)
+    torch.testing.assert_close(ice, full, rtol=1e-4, atol=1e-4)
+    # Window 16: a page leaves it every 16 steps. The first step's job runs on the spot (no
+    # queries of an earlier step yet), so its flush is inserted at once; later flushed pages
+    # stay attended from the window (in_job) for the one step until their job is applied.
+    assert seen[0] == (1, 0)
+    assert seen[15:18] == [(16, 0), (17, 16), (2, 0)]
+    assert [i for i, (_, m) in enumerate(seen) if m] == [16, 32, 48, 64]
+
+
+def test_worker_error_surfaces_at_the_next_step_and_reset_recovers():
+    """A look-ahead job that fails on the worker (here: it is lent page stores too small for
+    the pages it must gather) raises at the step that needs its outcome, and again at the
+    steps after; reset recovers and the cache serves the prompt again."""
+    model = tiny_model("llama")
+    cfg = IceCacheConfig(budget=96, full_layers=1)
+    cache = IceCache(cfg, model)
+    ids = prompt_ids(300, seed=12)
+    reference = run_steps(model, ids, IceCache(cfg, model), 4)
+    run_steps(model, ids, cache, 2)
+    layer = ice_layers(cache)[0]
+    layer.jobs.wait()
+    tiny = np.zeros((layer.heads, 1, cfg.page_size, layer.dim), np.float32)
+    index = layer.indexes[0]
+    layer.jobs.set_lane(0, tiny, tiny.copy(), forest=index.forest, resident=index.resident)
+    token = torch.tensor([[5]])
+    with torch.inference_mode():
+        model(token, **{CACHE_KW: cache})  # applies the job started before; starts a bad one
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="out of range"):
+                model(token, **{CACHE_KW: cache})
+    cache.reset()
+    got = run_steps(model, ids, cache, 4)
+    torch.testing.assert_close(got, reference, rtol=0, atol=0)
 
 
 def test_prefill_indexes_on_the_worker_while_the_forward_returns(monkeypatch):

@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{ensure, Error, Result};
 use crate::input::{check_rows, KeyData};
 pub use search::Scratch;
+pub(crate) use search::Scored;
 use tree::{Tier, NONE};
 
 /// Largest supported key dimension.

@@ -16,6 +16,15 @@ const BEAM_SLACK: f32 = 3.0;
 /// Share of a large cell's members that P-DCI retrieves per composite index at effort 1.
 const PDCI_SHARE: f32 = 0.25;
 
+/// One key a scan scored: `q · k` (an int8 estimate, or exact), the key's tag (see
+/// `DciIndex::tags`) and its slot (`DciIndex::slot_id` gives its id).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Scored {
+    pub score: f32,
+    pub tag: u32,
+    pub slot: u32,
+}
+
 /// Per-query buffers, reused across the queries one worker runs.
 #[derive(Default)]
 pub struct Scratch {
@@ -151,9 +160,8 @@ impl DciIndex {
     }
 
     /// Inner products of `q` with the keys a search looks at: every key the first pass scans
-    /// (int8 estimates; at least `pool` keys) or, with `exact`, every key exactly. Appends
-    /// `(q · k, tag)` to `out` (see `DciIndex::tags`). Inner-product indexes only (what
-    /// attention needs).
+    /// (int8 estimates; at least `pool` keys) or, with `exact`, every key exactly. Appends one
+    /// [`Scored`] per key to `out`. Inner-product indexes only (what attention needs).
     pub(crate) fn scan_scores(
         &self,
         q: &[f32],
@@ -161,20 +169,20 @@ impl DciIndex {
         effort: f32,
         exact: bool,
         s: &mut Scratch,
-        out: &mut Vec<(f32, u32)>,
+        out: &mut Vec<Scored>,
     ) {
         debug_assert_eq!(self.cfg.metric, Metric::InnerProduct);
         if exact {
             self.exact_candidates(q, s);
             out.extend(s.cand.iter().map(|&p| {
-                let (v, slot) = unpack(p);
-                (v, self.tags[slot as usize])
+                let (score, slot) = unpack(p);
+                Scored { score, tag: self.tags[slot as usize], slot }
             }));
             return;
         }
         // Codes are relative to `code_center`: add back its (constant) share of the score.
         let shift = simd::dot(q, &self.code_center);
-        self.scan_view(q, pool, effort, s, |v, _, tag| out.push((v + shift, tag)));
+        self.scan_view(q, pool, effort, s, |v, slot, tag| out.push(Scored { score: v + shift, tag, slot }));
     }
 
     /// Beam descent to the best leaf cells and an int8 pass over their members: fills

@@ -1,17 +1,17 @@
-"""Attention backends for IceCache's decode step.
+"""Attention for IceCache's decode step.
 
-A decode step attends one query token per sequence to three parts of the KV cache: the sink
-tokens and the recent-window tokens, which stay on the device as dense per-sequence buffers,
-and the retrieved semantic pages, which live in a device page pool and are addressed through a
-per-(sequence, KV head) page table. Semantic pages need not be full, so every selected page
-carries its own valid length.
+A decode step attends one query token per sequence to three parts of the KV cache, all on the
+device in one buffer per layer: the sink tokens, the recent window, and the pages of the device
+page pool (semantic pages, each with its own valid length).
 
-:mod:`icecache.attend.reference` is the pure-torch implementation (CPU and GPU), exact over the
-selected tokens; faster kernels must match it. :mod:`icecache.attend.flashinfer` runs the same
-attention through FlashInfer's paged decode on CUDA (optional: ``icecache[gpu]``); it imports
-FlashInfer only when used (``IceCacheConfig.attention``).
+- :mod:`icecache.attend.ranked`: what the runtime runs: logits against every valid device
+  token, the pool's pages ranked on the device by their attention mass (or the host's
+  selection), softmax and output from the same logits.
+- :mod:`icecache.attend.reference`: plain-torch references over explicitly listed pages, and the
+  attention recall of a page selection (tests and evaluation).
 """
 
+from icecache.attend.ranked import RankedAttention, ranked_decode_attention
 from icecache.attend.reference import attention_recall, sparse_decode_attention
 
-__all__ = ["attention_recall", "sparse_decode_attention"]
+__all__ = ["RankedAttention", "attention_recall", "ranked_decode_attention", "sparse_decode_attention"]

@@ -81,7 +81,7 @@ class IceCache(Cache):
             raise ImportError("this build of icecache._core has no page layer (HeadForest); reinstall icecache")
         device = torch.device(config.device) if config.device is not None else next(model.parameters()).device
         self.config = config
-        self.runtime = Runtime(config, device, track_recall)
+        self.runtime = Runtime(config, device, track_recall, query_heads=text_config.num_attention_heads)
 
         layers, seen_full, group = [], 0, []
         for idx, kind in enumerate(layer_types):
@@ -148,7 +148,7 @@ class IceCache(Cache):
         """KV bytes held now: ``{"device": ..., "host": ...}``. Device bytes are every layer's
         on-device cache (full and sliding layers' caches; sinks, windows and page pools of
         IceCache layers); host bytes are the CPU page stores, staging and transit buffers."""
-        total = {"device": 0, "host": self.runtime.staging.nbytes() + self.runtime.transit.nbytes()}
+        total = {"device": 0, "host": self.runtime.transit.nbytes()}
         for layer in self.layers:
             if isinstance(layer, IceLayer):
                 for key, value in layer.nbytes().items():
@@ -158,7 +158,9 @@ class IceCache(Cache):
         return total
 
     def reset(self) -> None:
-        """Empty the cache (all layers and counters) so that it can serve a new prompt."""
+        """Empty the cache (all layers and counters) so that it can serve a new prompt. Work
+        still running for the old prompt (indexing, look-ahead jobs) is waited for or
+        cancelled, and its errors are forgotten."""
         self.runtime.wait_indexed(errors=False)
         super().reset()
         self.runtime.stats = RuntimeStats()

@@ -10,7 +10,8 @@ __all__ = ["IceCacheConfig"]
 
 # HeadForest accepts pages of 8..=64 tokens.
 _PAGE_SIZES = range(8, 65)
-_ATTENTION = ("auto", "torch", "flashinfer")
+#: Default look-ahead superset, in multiples of the pages a step attends (see ``superset_pages``).
+SUPERSET_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -32,17 +33,22 @@ class IceCacheConfig:
             is broad).
         reuse: layer-reuse group size: groups of ``reuse`` consecutive IceCache layers share
             the first layer's page layout and page selection (1: off).
+        lookahead: select pages off the critical path (default). Each layer's pages for step
+            ``t + 1`` are selected on the host from step ``t``'s queries, by a native worker,
+            while the device computes; they wait in the device page pool, where step ``t + 1``
+            ranks them by their exact attention mass under its own queries and attends the
+            heaviest ``retrieved_pages``. ``False``: fresh selection, where every step sends its
+            queries to the host and waits for the selection (the exact reference, slower).
+        superset_pages: pages the look-ahead selects per (layer, KV head, step), ranked on the
+            device. Default: ``4 * retrieved_pages`` (measured by ``icecache eval recall``; see
+            benches/RESULTS.md). Ignored with fresh selection.
         pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
-            across steps until evicted. Default: ``budget // page_size``, so that sink, window
-            and pool together hold ``sink + window + budget`` tokens per layer and KV head.
+            across steps until evicted (least recently selected first). Default with
+            look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
+            supersets stay ranked too; with fresh selection ``budget // page_size``.
         effort, num_simple, num_composite, promotion, seed, threads: index parameters, passed
             to :class:`icecache.HeadForest` (``None``: the index's defaults).
         device: where sinks, windows and the page pool live. Default: the model's device.
-        attention: decode attention backend: ``"flashinfer"`` (FlashInfer paged decode with
-            per-KV-head page tables, :mod:`icecache.attend.flashinfer`; CUDA, fp16/bf16, needs
-            ``icecache[gpu]``), ``"torch"`` (the pure-torch reference path, any device) or
-            ``"auto"`` (FlashInfer where it is installed and serves the device, dtype and head
-            dim; torch otherwise).
     """
 
     budget: int = 256
@@ -51,6 +57,8 @@ class IceCacheConfig:
     window: int = 32
     full_layers: int = 2
     reuse: int = 1
+    lookahead: bool = True
+    superset_pages: Optional[int] = None
     pool_pages: Optional[int] = None
     effort: float = 1.0
     num_simple: Optional[int] = None
@@ -59,13 +67,10 @@ class IceCacheConfig:
     seed: Optional[int] = 0
     threads: Optional[int] = None
     device: Any = None
-    attention: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.attention not in _ATTENTION:
-            raise ValueError(
-                f"IceCacheConfig.attention must be one of {', '.join(map(repr, _ATTENTION))}, got {self.attention!r}"
-            )
+        if not isinstance(self.lookahead, bool):
+            raise ValueError(f"IceCacheConfig.lookahead must be True or False, got {self.lookahead!r}")
         for name in ("budget", "page_size", "sink", "window", "full_layers", "reuse"):
             value = getattr(self, name)
             if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
@@ -85,12 +90,22 @@ class IceCacheConfig:
                 f"IceCacheConfig.budget ({self.budget}) is below sink ({self.sink}) + window "
                 f"({self.window}) + one page ({self.page_size}); it must be at least {need}"
             )
-        if self.pool_pages is not None and (
-            not isinstance(self.pool_pages, Integral) or self.pool_pages < self.retrieved_pages
+        if self.superset_pages is not None and (
+            not isinstance(self.superset_pages, Integral)
+            or isinstance(self.superset_pages, bool)
+            or self.superset_pages < self.retrieved_pages
         ):
             raise ValueError(
-                f"IceCacheConfig.pool_pages ({self.pool_pages!r}) must be an int >= the retrieved "
+                f"IceCacheConfig.superset_pages ({self.superset_pages!r}) must be an int >= the retrieved "
                 f"pages per step ({self.retrieved_pages})"
+            )
+        least = self.selected_pages
+        if self.pool_pages is not None and (
+            not isinstance(self.pool_pages, Integral) or isinstance(self.pool_pages, bool) or self.pool_pages < least
+        ):
+            raise ValueError(
+                f"IceCacheConfig.pool_pages ({self.pool_pages!r}) must be an int >= the pages selected "
+                f"per step ({least}: {'superset_pages' if self.lookahead else 'the retrieved pages'})"
             )
         if not isinstance(self.effort, Real) or not self.effort > 0:
             raise ValueError(f"IceCacheConfig.effort must be > 0, got {self.effort!r}")
@@ -108,9 +123,21 @@ class IceCacheConfig:
         return (self.budget - self.sink - self.window) // self.page_size
 
     @property
+    def selected_pages(self) -> int:
+        """Pages the host selects per (layer, KV head, step): the look-ahead superset, or the
+        retrieved pages with fresh selection."""
+        if not self.lookahead:
+            return self.retrieved_pages
+        return self.superset_pages if self.superset_pages is not None else SUPERSET_FACTOR * self.retrieved_pages
+
+    @property
     def device_pages(self) -> int:
         """Device page slots per (sequence, layer, KV head)."""
-        return self.pool_pages if self.pool_pages is not None else self.budget // self.page_size
+        if self.pool_pages is not None:
+            return self.pool_pages
+        if self.lookahead:
+            return self.selected_pages + self.retrieved_pages
+        return self.budget // self.page_size
 
     def index_kwargs(self) -> dict:
         """Keyword arguments for :class:`icecache.HeadForest`."""

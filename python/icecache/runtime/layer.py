@@ -13,40 +13,52 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from icecache import _core
-from icecache.attend import attention_recall, sparse_decode_attention
-from icecache.attend import flashinfer as fi
+from icecache.attend.ranked import ranked_decode_attention
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import hand_off
 from icecache.runtime.pages import History, PageIndex, PageStore, numpy_view
-from icecache.runtime.transfer import Staging, Transit
+from icecache.runtime.transfer import StepBuffers, Transit
 
 __all__ = ["IceLayer", "Runtime", "RuntimeStats"]
+
+#: Step numbers the device writes into a layer's flag wrap at this value (they only need to
+#: differ from the previous step's).
+_STAMPS = 1 << 16
 
 
 @dataclass
 class RuntimeStats:
     """Counters over the decode steps of all IceCache layers of one cache.
 
-    Seconds are host wall time (on a GPU they include waiting for it): ``select_s`` the page
-    selection and load planning, ``gather_s`` the step's metadata and the gather of missing
-    pages into staging, ``copy_s`` the bulk host-to-device copy and the scatter into the page
-    pool, ``attend_s`` the attention, ``recall_s`` the optional recall measurement,
-    ``index_wait_s`` the time decode steps waited for the prefill pipeline to finish
-    offloading and indexing the prompt.
-    ``pages_selected`` counts the pages attended and ``pages_loaded`` those copied, summed over
-    layers, sequences and KV heads; ``recalls`` holds one recall per (layer, sequence, step).
+    Seconds on the decode path are host wall time (on a GPU they include waiting for it when
+    :attr:`Runtime.sync_timing` is set): ``wait_s`` waiting for the layer's host job (with
+    look-ahead: the worker's job for this step, normally finished already; with fresh
+    selection, or on the first step after a prompt: the whole job, run on the spot),
+    ``copy_s`` the host-to-device copy of the step's pages and metadata and their scatter into
+    the page pool, ``attend_s`` ranking and attention, ``recall_s`` the optional recall
+    measurement, ``index_wait_s`` the time decode steps waited for the prefill pipeline.
+    ``worker_insert_s``, ``worker_select_s`` and ``worker_gather_s`` add up what the host jobs
+    spent inserting flushed tokens, selecting and planning, and gathering pages (on the
+    worker's threads, mostly off the critical path).
+    ``pages_selected`` counts the pages the host selected, ``pages_loaded`` those copied,
+    summed over layers, sequences and KV heads; ``recalls`` holds one recall per (layer,
+    sequence, step) and ``reranked`` one share per (layer, step) of attended pages that the
+    device's ranking took from outside the host's top choices (both with ``track_recall``).
     """
 
     layer_steps: int = 0
-    select_s: float = 0.0
-    gather_s: float = 0.0
+    wait_s: float = 0.0
     copy_s: float = 0.0
     attend_s: float = 0.0
     recall_s: float = 0.0
     index_wait_s: float = 0.0
+    worker_insert_s: float = 0.0
+    worker_select_s: float = 0.0
+    worker_gather_s: float = 0.0
     pages_selected: int = 0
     pages_loaded: int = 0
     recalls: List[float] = field(default_factory=list)
+    reranked: List[float] = field(default_factory=list)
 
     @property
     def recall(self) -> float:
@@ -62,47 +74,42 @@ class Runtime:
     device: torch.device
     track_recall: bool
     stats: RuntimeStats = field(default_factory=RuntimeStats)
-    staging: Staging = None
-    #: FlashInfer decode shared by the layers (``None``: the torch path), from ``config.attention``.
-    flashinfer: Optional["fi.FlashInferDecode"] = None
     #: Synchronise the device at every timing boundary so that the breakdown in :attr:`stats`
     #: is device time, not launch time (slower; for benchmarks).
     sync_timing: bool = False
     transit: Transit = None
-    _worker: Optional[ThreadPoolExecutor] = None
+    _index: Optional[ThreadPoolExecutor] = None
     _pending: List[Future] = field(default_factory=list)
+    #: Query heads of every attention layer (of this process: tensor parallelism shards them).
+    query_heads: int = 0
+    _worker: Optional[_core.LookAhead] = None
+    _stamps: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
-        self.staging = Staging(self.device)
         self.transit = Transit(self.device)
-        choice = self.config.attention
-        if choice == "flashinfer" and not (self.device.type == "cuda" and fi.available()):
-            raise ValueError(
-                "IceCacheConfig(attention='flashinfer') needs a CUDA device and FlashInfer "
-                "(pip install icecache[gpu]); use 'auto' to fall back to torch"
-            )
-        if choice != "torch" and self.device.type == "cuda" and fi.available():
-            self.flashinfer = fi.FlashInferDecode(self.device)
 
-    def use_flashinfer(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether layers of this dtype and head dim attend through FlashInfer."""
-        if self.flashinfer is None:
-            return False
-        if fi.supports(self.device, dtype, head_dim):
-            return True
-        if self.config.attention == "flashinfer":
-            raise ValueError(
-                f"FlashInfer decode serves fp16/bf16 with head dim 64, 128 or 256, "
-                f"not {dtype} with head dim {head_dim}; use attention='auto' or 'torch'"
-            )
-        return False
+    @property
+    def worker(self) -> _core.LookAhead:
+        """The look-ahead worker (a native thread and pool), made on first use."""
+        if self._worker is None:
+            self._worker = _core.LookAhead(self.config.threads)
+        return self._worker
+
+    def stamp(self, step: int) -> Optional[torch.Tensor]:
+        """A device tensor holding ``step`` (a view into a table made once): copying it to a
+        pinned flag writes the step number behind the device's queued work."""
+        if self.device.type != "cuda":
+            return None
+        if self._stamps is None:
+            self._stamps = torch.arange(_STAMPS, dtype=torch.int64, device=self.device)
+        return self._stamps[step : step + 1]
 
     def submit(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the index worker: one thread, jobs in submission order (so a
         reuse group's leader is indexed before the layers that follow its layout)."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="icecache-index")
-        self._pending.append(self._worker.submit(fn, *args))
+        if self._index is None:
+            self._index = ThreadPoolExecutor(1, thread_name_prefix="icecache-index")
+        self._pending.append(self._index.submit(fn, *args))
 
     def wait_indexed(self, errors: bool = True) -> None:
         """Wait until every submitted prompt is offloaded and indexed. Decoding waits for all
@@ -134,29 +141,48 @@ class IceLayer(CacheLayerMixin):
     The prompt is attended exactly; then per sequence the first ``sink`` real tokens and the
     last ``window`` stay on the device and the rest goes to a CPU :class:`PageStore` in
     semantic page order, indexed by a :class:`PageIndex`. Each decode token joins the window;
-    when the window is full its oldest page of tokens is inserted into the index.
+    when the window is full its oldest page of tokens goes to the index.
+
+    Device layout, per K and V: one buffer ``[B, H_kv, T, D]`` holding the page pool
+    (``device_pages`` slots of ``page_size`` tokens), the sink and the window, a ring of
+    ``window + page_size`` slots, with a ``valid`` mask ``[B, H_kv, T]``.
+
+    Decode step of this layer (see ``docs/ARCHITECTURE.md``): take the host job's outcome (with
+    look-ahead, the job was started one step earlier from the previous queries and normally
+    has finished; otherwise it runs now), copy its pages and metadata to the device in one
+    transfer and scatter them into the pool, attend (ranking the pool's pages on the device
+    with look-ahead), then hand this step's queries to the host behind the attention and start
+    the next step's job. Tokens the window flushes stay attended from the window until the job
+    that inserts them has been applied.
 
     Prefill is pipelined: the offload and index build of a layer's prompt run on the runtime's
-    worker thread (the copy on a side stream, the build in the core without the GIL) while the
-    device computes the next layers; the first decode step waits for them. The prompt's
-    device keys and values stay alive until the worker has copied them.
+    index thread (the copy on a side stream, the build in the core without the GIL) while the
+    device computes the next layers; the first decode step waits for them.
 
     A layer that leads its reuse group (``leader is None``) owns the indexes and selects
-    pages; the others reuse the leader's page layout, selection and device-slot plan.
+    pages; the others reuse the leader's page layout, selection and device slots, and rank the
+    pool pages with their own queries.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, runtime: Runtime, layer_idx: int, leader: Optional["IceLayer"] = None):
+    def __init__(self, runtime: Runtime, layer_idx: int, leader: Optional[IceLayer] = None):
         super().__init__()
         self.runtime = runtime
         self.layer_idx = layer_idx
         self.leader = leader
+        self._forget()
+
+    def _forget(self) -> None:
+        """The state of a layer that has seen no prompt."""
+        self.is_initialized = False
         self.length = 0
         self.decoding = False
         self._prompt = None
+        self.jobs: Optional[_core.LookAheadLayer] = None
+        self.steps = 0
 
     # ------------------------------------------------------------------ transformers API
 
@@ -165,22 +191,25 @@ class IceLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape
         self.device, self.dtype = self.runtime.device, key_states.dtype
         self.batch, self.heads, self.dim = B, H, D
-
-        # All device tokens of a layer in one buffer per K/V, [B, H, pool | sink | window, D]:
-        # the page pool, sink and window are views of it, so that FlashInfer can address all
-        # three through one folded page table (icecache.attend.flashinfer).
         C, S = cfg.device_pages, cfg.page_size
-        pool_tokens = C * S
-        T = pool_tokens + cfg.sink + cfg.window
+        self.pool_tokens = C * S
+        self.ring = cfg.window + S  # room for a flushed page that is still attended
+        T = self.pool_tokens + cfg.sink + self.ring
         self.kv_k = torch.zeros(B, H, T, D, dtype=self.dtype, device=self.device)
         self.kv_v = torch.zeros_like(self.kv_k)
-        self.pool_k, self.pool_v = (t[:, :, :pool_tokens].view(B, H, C, S, D) for t in (self.kv_k, self.kv_v))
-        self.sink_k, self.sink_v = (t[:, :, pool_tokens : pool_tokens + cfg.sink] for t in (self.kv_k, self.kv_v))
-        self.win_k, self.win_v = (t[:, :, pool_tokens + cfg.sink :] for t in (self.kv_k, self.kv_v))
+        self.valid = torch.zeros(B, H, T, dtype=torch.bool, device=self.device)
+        self.pool_k, self.pool_v = (t[:, :, : self.pool_tokens].view(B, H, C, S, D) for t in (self.kv_k, self.kv_v))
+        self.pool_valid = self.valid[:, :, : self.pool_tokens].view(B * H, C, S)
+        self._sink_at, self._ring_at = self.pool_tokens, self.pool_tokens + cfg.sink
+        self._slot_ar = torch.arange(S, device=self.device)
+        # Per sequence: valid sink tokens; the window's oldest ring slot and its tokens; how
+        # many of its oldest tokens were flushed to a job that has not been applied yet.
         self.sink_len = [0] * B
+        self.win_start = [0] * B
         self.win_len = [0] * B
-        self.use_flashinfer = self.runtime.use_flashinfer(self.dtype, D)
-        self.stores = [PageStore(H, cfg.page_size, D, self.dtype) for _ in range(B)]
+        self._flushed = [0] * B  # flushed, not yet handed to a job
+        self._in_job = [0] * B  # handed to the current job, still attended from the window
+        self.stores = [PageStore(H, S, D, self.dtype) for _ in range(B)]
         if self.leader is None:
             self.indexes = [PageIndex(H, cfg) for _ in range(B)]
         else:
@@ -224,8 +253,16 @@ class IceLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        """Forget everything; the layer initialises again on the next prompt."""
-        self.__init__(self.runtime, self.layer_idx, self.leader)
+        """Forget everything; the layer initialises again on the next prompt. A job still
+        running is waited for (its buffers must outlive it) and its outcome dropped."""
+        if self.jobs is not None:
+            self.runtime.worker.cancel()
+            try:
+                self.jobs.wait()
+            except RuntimeError:
+                pass  # cancelled, or failed: forgotten either way
+            self.jobs.clear()
+        self._forget()
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError("IceCache does not support beam search, cropping or batch reshuffling")
@@ -261,9 +298,13 @@ class IceLayer(CacheLayerMixin):
             n = kb.shape[1]
             s = min(cfg.sink, n)
             w = min(cfg.window, n - s)
-            self.sink_k[b, :, :s], self.sink_v[b, :, :s] = kb[:, :s], vb[:, :s]
-            self.win_k[b, :, :w], self.win_v[b, :, :w] = kb[:, n - w :], vb[:, n - w :]
-            self.sink_len[b], self.win_len[b] = s, w
+            sink = slice(self._sink_at, self._sink_at + s)
+            ring = slice(self._ring_at, self._ring_at + w)
+            self.kv_k[b, :, sink], self.kv_v[b, :, sink] = kb[:, :s], vb[:, :s]
+            self.kv_k[b, :, ring], self.kv_v[b, :, ring] = kb[:, n - w :], vb[:, n - w :]
+            self.valid[b, :, sink] = True
+            self.valid[b, :, ring] = True
+            self.sink_len[b], self.win_start[b], self.win_len[b] = s, 0, w
             if n - s - w > 0:
                 middles.append((b, kb[:, s : n - w], vb[:, s : n - w]))
         if middles:
@@ -274,167 +315,322 @@ class IceLayer(CacheLayerMixin):
             self.runtime.submit(self._index_prompt, middles, ready)
         self.decoding = True
 
-    def _index_prompt(self, middles: list, ready: Optional["torch.cuda.Event"]) -> None:
+    def _index_prompt(self, middles: list, ready: Optional[torch.cuda.Event]) -> None:
         """Index worker: copy each sequence's middle tokens to the host and index them."""
         for b, k, v in middles:
             k_host, v_host = self.runtime.transit.to_host(ready, k, v)
-            self._offload(b, k_host, v_host)
+            if self.leader is None:
+                self.indexes[b].add(k_host, v_host, self.stores[b])
+            else:
+                self.histories[b].append(k_host, v_host)
+                self.leader.indexes[b].follow(self.histories[b], self.stores[b])
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's token into each sequence's window ring; a full window first hands
+        its oldest page of tokens to the host (they stay attended until their insert lands)."""
         cfg = self.runtime.config
-        ps = cfg.page_size
+        ps, R = cfg.page_size, self.ring
         for b in range(self.batch):
-            w = self.win_len[b]
-            if w == cfg.window:
-                # The window is full: its oldest page of tokens goes to the index.
-                old_k = self.win_k[b, :, :ps].to("cpu", copy=True)  # a copy on the CPU too
-                old_v = self.win_v[b, :, :ps].to("cpu", copy=True)
-                self.win_k[b, :, : w - ps] = self.win_k[b, :, ps:].clone()
-                self.win_v[b, :, : w - ps] = self.win_v[b, :, ps:].clone()
-                w -= ps
-                self._offload(b, old_k.contiguous(), old_v.contiguous())
-            # Python-int slots: no index tensor to upload, so no wait for the device.
-            self.win_k[b, :, w] = k[b, :, 0]
-            self.win_v[b, :, w] = v[b, :, 0]
-            self.win_len[b] = w + 1
+            if self.win_len[b] - self._in_job[b] == cfg.window:
+                first = (self.win_start[b] + self._in_job[b]) % R
+                self._copy_flush(b, first)
+                self._flushed[b] = ps
+            slot = self._ring_at + (self.win_start[b] + self.win_len[b]) % R
+            self.kv_k[b, :, slot] = k[b, :, 0]
+            self.kv_v[b, :, slot] = v[b, :, 0]
+            self.valid[b, :, slot] = True
+            self.win_len[b] += 1
 
-    def _offload(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Add ``[H, m, D]`` host tokens (contiguous) that follow sequence ``b``'s offloaded
-        ones to its index and store."""
+    def _copy_flush(self, b: int, first: int) -> None:
+        """Copy the page of window tokens starting at ring slot ``first`` of sequence ``b`` to
+        the host flush buffers (asynchronously on a GPU: the job that reads them starts after
+        the step's flag, which the device writes later)."""
+        ps, R = self.runtime.config.page_size, self.ring
+        bufs = self._buffers()
+        cut = min(ps, R - first)  # the ring may wrap inside the page
+        for dst, src in ((bufs.flush_k, self.kv_k), (bufs.flush_v, self.kv_v)):
+            at = self._ring_at + first
+            dst[b, :, :cut].copy_(src[b, :, at : at + cut], non_blocking=True)
+            if cut < ps:
+                dst[b, :, cut:].copy_(src[b, :, self._ring_at : self._ring_at + ps - cut], non_blocking=True)
+
+    def _drop_flushed(self) -> None:
+        """The applied job inserted the tokens handed to it: stop attending them in the window."""
+        R = self.ring
+        for b, m in enumerate(self._in_job):
+            if not m:
+                continue
+            first = self.win_start[b]
+            slots = [(first + i) % R + self._ring_at for i in range(m)]
+            lo, hi = slots[0], slots[-1]
+            if hi >= lo:
+                self.valid[b, :, lo : hi + 1] = False
+            else:
+                self.valid[b, :, lo : self._ring_at + R] = False
+                self.valid[b, :, self._ring_at : hi + 1] = False
+            self.win_start[b] = (first + m) % R
+            self.win_len[b] -= m
+            self._in_job[b] = 0
+
+    # ------------------------------------------------------------------ host jobs
+
+    def _buffers(self) -> StepBuffers:
+        """The layer's host buffers, made at the first decode step (the query heads are known
+        from the first token's keys' layer: ``runtime.query_heads``)."""
+        if getattr(self, "_bufs", None) is None:
+            cfg = self.runtime.config
+            self._bufs = StepBuffers(
+                self.device,
+                self.batch,
+                self.heads,
+                self.runtime.query_heads,
+                self.dim,
+                cfg.page_size,
+                self.dtype,
+                _core.LookAheadLayer.staging_bytes(
+                    batch=self.batch,
+                    kv_heads=self.heads,
+                    dim=self.dim,
+                    page_size=cfg.page_size,
+                    itemsize=self.dtype.itemsize,
+                    max_pages=cfg.selected_pages,
+                    capacity=cfg.device_pages,
+                ),
+            )
+        return self._bufs
+
+    def _open_jobs(self, query_heads: int, scale: float) -> None:
+        """Make this layer's job object and lend it every sequence's buffers (first decode
+        step, after the prompt is indexed)."""
+        cfg = self.runtime.config
+        bufs = self._buffers()
+        if bufs.queries.shape[1] != query_heads:
+            raise ValueError(
+                f"layer {self.layer_idx} got {query_heads} query heads, the model config says "
+                f"{self.runtime.query_heads}"
+            )
+        leader_jobs = None if self.leader is None else self.leader.jobs
+        self.jobs = _core.LookAheadLayer(
+            self.runtime.worker,
+            bufs.queries.numpy(),
+            bufs.flag.numpy(),
+            numpy_view(bufs.flush_k),
+            numpy_view(bufs.flush_v),
+            bufs.staging.numpy(),
+            kv_heads=self.heads,
+            page_size=cfg.page_size,
+            max_pages=cfg.selected_pages,
+            scale=scale,
+            effort=cfg.effort,
+            successors=int(__import__("os").environ.get("ICE_SUCC", "0")),
+            leader=leader_jobs,
+        )
+        for b in range(self.batch):
+            if self.leader is None:
+                self.stores[b].reserve(self._indexed_pages(b) + cfg.page_size)
+            else:
+                self.histories[b].reserve(self.histories[b].n + cfg.page_size)
+            self._lend(b)
+
+    def _indexed_pages(self, b: int) -> int:
+        forest = (self.indexes if self.leader is None else self.leader.indexes)[b].forest
+        return 0 if forest is None else forest.max_pages()
+
+    def _lend(self, b: int) -> None:
+        store = self.stores[b]
         if self.leader is None:
-            self.indexes[b].add(k, v, self.stores[b])
+            index = self.indexes[b]
+            self.jobs.set_lane(b, *store.views(), forest=index.forest, resident=index.resident)
         else:
-            self.histories[b].append(k, v)
-            self.leader.indexes[b].follow(self.histories[b], self.stores[b])
+            k_hist, v_hist = self.histories[b].views()
+            self.jobs.set_lane(b, *store.views(), k_history=k_hist, v_history=v_hist)
+
+    def _start_job(self, query: torch.Tensor, now: bool) -> None:
+        """Hand this step's queries (and flushed tokens) to the host and start the job that
+        prepares the next step: run now (``now``: fresh selection, first step) or queued
+        behind a flag the device writes after the queries (look-ahead)."""
+        bufs = self._buffers()
+        flushed, self._flushed = self._flushed, [0] * self.batch
+        self._in_job = list(flushed)
+        self._first_pages(flushed)
+        m = max(flushed)
+        # Room for what the job writes: inserted pages (leaders), history (followers).
+        for b in range(self.batch):
+            if self.leader is None:
+                bound = self._indexed_pages(b) + m
+                self._page_bound = bound
+                grown = self.stores[b].reserve(bound)
+            else:
+                grown = self.stores[b].reserve(self.leader._page_bound) | self.histories[b].reserve(
+                    self.histories[b].n + flushed[b]
+                )
+                self.histories[b].n += flushed[b]
+            if grown:
+                self._lend(b)
+        lens = None if self.leader is None else [h.n for h in self.histories]
+        bufs.queries.copy_(query.float(), non_blocking=not now)
+        if now:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.jobs.start(flushed, history_lens=lens)
+            return
+        self.steps += 1
+        stamp = self.steps % _STAMPS
+        device_stamp = self.runtime.stamp(stamp)
+        if device_stamp is None:
+            bufs.flag[0] = stamp  # CPU: the queries are in place already
+        else:
+            bufs.flag.copy_(device_stamp, non_blocking=True)
+        self.jobs.start(flushed, step=stamp, history_lens=lens)
+
+    def _first_pages(self, flushed: List[int]) -> None:
+        """Build the index of a sequence whose prompt fit in sink and window from its first
+        flushed page, here and now (rare: short prompts), so that the job only selects; a
+        reusing layer writes its first pages in that layout here too. The tokens count as
+        handed to the job, which drops them from the window when applied."""
+        leading = self.leader is None
+        if leading:
+            self._built_now = [False] * self.batch
+        for b, m in enumerate(flushed):
+            built = self.indexes[b].forest is None if leading else self.leader._built_now[b]
+            if not (m and built):
+                continue
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the flush copy
+            bufs = self._buffers()
+            k, v = bufs.flush_k[b, :, :m].clone(), bufs.flush_v[b, :, :m].clone()
+            if leading:
+                self.indexes[b].add(k, v, self.stores[b])
+                self._built_now[b] = True
+            else:
+                self.histories[b].append(k, v)
+                self.leader.indexes[b].follow(self.histories[b], self.stores[b])
+            flushed[b] = 0
+            self._lend(b)
+
+    def _apply(self, o: _core.LookAheadOutcome) -> Optional[torch.Tensor]:
+        """Bring the job's pages to the device pool and its metadata into the masks; returns
+        the selection's pool slots ``[B, H, width]`` (rank order, -1 past the count) when
+        fresh selection needs them."""
+        cfg = self.runtime.config
+        B, H, S = self.batch, self.heads, cfg.page_size
+        fresh = not cfg.lookahead
+        table = None
+        if o.loads or o.clears or fresh:
+            dev = self._buffers().upload(o.end)
+            meta = dev[: 4 * o.meta_len].view(torch.int32)
+            n, c = o.loads, o.clears
+            if n:
+                bh, slot = meta[:n].long(), meta[n : 2 * n].long()
+                rows = dev[o.rows_at : o.end].view(self.dtype).view(2, n, S, self.dim)
+                C = cfg.device_pages
+                self.pool_k.view(B * H, C, S, self.dim)[bh, slot] = rows[0]
+                self.pool_v.view(B * H, C, S, self.dim)[bh, slot] = rows[1]
+                self.pool_valid[bh, slot] = self._slot_ar < meta[2 * n : 3 * n, None]
+            if c:
+                self.pool_valid[meta[3 * n : 3 * n + c].long(), meta[3 * n + c : 3 * n + 2 * c].long()] = False
+            if fresh:
+                at = 3 * n + 2 * c
+                table = meta[at : at + B * H * o.width].view(B, H, o.width)
+        self._drop_flushed()
+        return table
 
     # ------------------------------------------------------------------ decode attention
 
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of this step's query ``[B, H_q, 1, D]`` over sink + selected pages +
-        window; returns ``[B, 1, H_q, D]`` as transformers expects."""
+        """Attention of this step's query ``[B, H_q, 1, D]`` over sink + pages + window;
+        returns ``[B, 1, H_q, D]`` as transformers expects."""
         rt, cfg = self.runtime, self.runtime.config
         stats = rt.stats
         q = query[:, :, 0].to(self.device)
-        indexes = self.indexes if self.leader is None else self.leader.indexes
-
+        if self.jobs is None:
+            self._open_jobs(q.shape[1], scale)
         t0 = rt.tick()
-        if self.leader is None:
-            q_host = q.float().cpu().numpy()
-            for b, index in enumerate(indexes):
-                index.select(q_host[b], cfg.retrieved_pages, scale)
+        if not cfg.lookahead or self.steps == 0:
+            self._start_job(q, now=True)
+        outcome = self.jobs.wait()
         t1 = rt.tick()
-        parts, starts, n = self._stage(indexes)
+        table = self._apply(outcome)
         t2 = rt.tick()
-        flat, rows = rt.staging.upload()
-        meta = {name: flat[starts[name] : starts[name] + a.size].view(a.shape) for name, a in parts.items()}
-        if n:
-            bh, slot = meta["load_bh"], meta["load_slot"]
-            B, H, C, S, D = self.pool_k.shape
-            self.pool_k.view(B * H, C, S, D)[bh, slot] = rows[0]
-            self.pool_v.view(B * H, C, S, D)[bh, slot] = rows[1]
+        keep = None
+        if table is not None:
+            keep = torch.zeros(self.batch, self.heads, cfg.device_pages + 1, dtype=torch.bool, device=self.device)
+            keep.scatter_(2, torch.where(table >= 0, table, cfg.device_pages).long(), True)
+            keep = keep[..., :-1]
+        # The budget: sink + window (+ a flushed page still attended) + pages.
+        window = max(self.win_len)
+        pages = max(0, min(cfg.retrieved_pages, (cfg.budget - max(self.sink_len) - window) // cfg.page_size))
+        res = ranked_decode_attention(
+            q,
+            self.kv_k,
+            self.kv_v,
+            self.valid,
+            pool_slots=cfg.device_pages,
+            page_size=cfg.page_size,
+            pages=pages,
+            scale=scale,
+            keep=keep,
+            want_lse=rt.track_recall,
+        )
         t3 = rt.tick()
-        if self.use_flashinfer:
-            out = rt.flashinfer.run(q, self.kv_k, self.kv_v, meta["fi_indptr"], meta["fi_indices"], scale)
-        else:
-            out = sparse_decode_attention(
-                q,
-                self.sink_k,
-                self.sink_v,
-                meta["sink_len"],
-                self.pool_k,
-                self.pool_v,
-                meta["table"],
-                meta["page_len"],
-                self.win_k,
-                self.win_v,
-                meta["win_len"],
-                scale,
-            )
-        t4 = rt.tick()
+        if rt.track_recall:
+            self._track_recall(q, res, outcome, pages, scale)
+            stats.recall_s += time.perf_counter() - t3
+        if cfg.lookahead:
+            self._start_job(q, now=False)
 
         stats.layer_steps += 1
-        stats.select_s += t1 - t0
-        stats.gather_s += t2 - t1
-        stats.copy_s += t3 - t2
-        stats.attend_s += t4 - t3
-        stats.pages_selected += sum(int(ix.selection[1].sum()) for ix in indexes)
-        stats.pages_loaded += n
-        if rt.track_recall:
-            self._track_recall(q, indexes, scale)
-            stats.recall_s += time.perf_counter() - t4
-        return out[:, None].to(query.device)
+        stats.wait_s += t1 - t0
+        stats.copy_s += t2 - t1
+        stats.attend_s += t3 - t2
+        stats.worker_insert_s += outcome.insert_s
+        stats.worker_select_s += outcome.select_s
+        stats.worker_gather_s += outcome.gather_s
+        stats.pages_selected += outcome.selected
+        stats.pages_loaded += outcome.loads
+        return res.out[:, None].to(query.device)
 
-    def _stage(self, indexes: List[PageIndex]) -> tuple:
-        """Put this step's integer metadata and the planned pages (gathered by the core) in
-        staging, for one host-to-device copy (a reusing layer loads what its leader planned).
-        Returns ``(parts, starts, n)``: the metadata arrays by name, where each starts in the
-        int32 metadata, and the number of pages loaded."""
-        cfg = self.runtime.config
-        plans = [ix.plan for ix in indexes]
-        H, S = self.heads, cfg.page_size
-        # Attend only over the columns some head uses (fewer pages than the budget allows
-        # while the offloaded part is short).
-        used = max(int(ix.selection[1].max(initial=0)) for ix in indexes)
-        table = np.stack([p[3][:, :used] for p in plans])
-        page_len = np.stack([ix.selected_lens()[:, :used] for ix in indexes])
-        parts = {
-            "load_bh": np.concatenate([b * H + p[0] for b, p in enumerate(plans)]),
-            "load_slot": np.concatenate([p[2] for p in plans]),
-        }
-        if self.use_flashinfer:
-            parts["fi_indptr"], parts["fi_indices"] = fi.token_lists(
-                table,
-                page_len,
-                np.asarray(self.sink_len),
-                np.asarray(self.win_len),
-                cfg.device_pages,
-                S,
-                cfg.sink,
-                cfg.window,
-            )
-        else:
-            parts.update(
-                sink_len=np.asarray(self.sink_len), win_len=np.asarray(self.win_len), table=table, page_len=page_len
-            )
-        # Each part starts 16-byte aligned in the upload.
-        starts, at = {}, 0
-        for name, a in parts.items():
-            starts[name] = at
-            at += -(-a.size // 4) * 4
-        n = len(parts["load_bh"])
-        meta_host, k_rows, v_rows = self.runtime.staging.begin(at, n, S, self.dim, self.dtype)
-        for name, a in parts.items():
-            meta_host[starts[name] : starts[name] + a.size] = a.ravel()
-        start = 0
-        for b, (heads, pages, _, _) in enumerate(plans):
-            m = len(heads)
-            if m:
-                _core.gather_pages(
-                    *self.stores[b].views(),
-                    heads,
-                    pages,
-                    numpy_view(k_rows[start : start + m]),
-                    numpy_view(v_rows[start : start + m]),
-                )
-                start += m
-        return parts, starts, n
+    def _track_recall(self, q: torch.Tensor, res, outcome: _core.LookAheadOutcome, pages: int, scale: float) -> None:
+        """Measurements for evaluation (``track_recall``), after this step's attention.
 
-    def _track_recall(self, q: torch.Tensor, indexes: List[PageIndex], scale: float) -> None:
+        Recall, per sequence: the share of the full attention mass on the attended tokens,
+        from the attended logits' log-sum-exp against one over every token (the device's sink
+        and window, and every offloaded token in the CPU stores). With look-ahead, also the
+        share of attended pool pages that the host's own ranking of its superset would not
+        have attended (its first ``pages`` pages): what the device's ranking changed."""
+        G = q.shape[1] // self.heads
+        indexes = self.indexes if self.leader is None else self.leader.indexes
+        dense_valid = self.valid[:, :, self.pool_tokens :].cpu()
+        dense_k = self.kv_k[:, :, self.pool_tokens :].cpu().float()
         for b, index in enumerate(indexes):
-            if index.forest is None:
-                continue
-            s, w = self.sink_len[b], self.win_len[b]
-            dense = torch.cat([self.sink_k[b, :, :s], self.win_k[b, :, :w]], dim=1).cpu()
-            pages = index.lens.shape[1]
-            recall = attention_recall(
-                q[b].cpu(),
-                dense,
-                self.stores[b].k[:, :pages],
-                torch.from_numpy(index.lens),
-                torch.from_numpy(index.selection[0]),
-                scale,
-            )
+            qb = q[b].cpu().float().view(self.heads, G, self.dim)
+            dense = torch.einsum("hgd,htd->hgt", qb, dense_k[b]) * scale
+            total = torch.logsumexp(dense.masked_fill(~dense_valid[b, :, None], float("-inf")), dim=-1)  # [H, G]
+            if index.forest is not None:
+                store = self.stores[b].k.float()
+                for h in range(self.heads):
+                    page, slot = (torch.from_numpy(a).long() for a in index.forest.token_map(h))
+                    mid = qb[h] @ store[h, page, slot].T * scale  # [G, n]
+                    total[h] = torch.logaddexp(total[h], torch.logsumexp(mid, dim=-1))
+            recall = torch.exp(res.lse[b].cpu().view(self.heads, G) - total)
             self.runtime.stats.recalls.append(float(recall.mean()))
+        if not self.runtime.config.lookahead:
+            return
+        # The applied job's table (superset slots in the host's rank order) is still in the
+        # host staging: the next job writes it only after this step's flag.
+        at = 3 * outcome.loads + 2 * outcome.clears
+        meta = self._buffers().staging[: 4 * outcome.meta_len].numpy().view(np.int32)
+        table = meta[at : at + self.batch * self.heads * outcome.width].reshape(self.batch, self.heads, -1)
+        kept = res.kept.cpu().numpy()
+        occupied = self.pool_valid.view(self.batch, self.heads, -1, self.runtime.config.page_size).any(-1).cpu().numpy()
+        moved = total_kept = 0
+        for b, h in np.ndindex(self.batch, self.heads):
+            host_top = set(table[b, h][table[b, h] >= 0][:pages].tolist())
+            chosen = np.flatnonzero(kept[b, h] & occupied[b, h])
+            total_kept += len(chosen)
+            moved += sum(1 for s in chosen.tolist() if s not in host_top)
+        if total_kept:
+            self.runtime.stats.reranked.append(moved / total_kept)
 
     def nbytes(self) -> dict:
         """Bytes held on the device (sink, window, page pool) and in host memory (stores)."""
@@ -443,4 +639,8 @@ class IceLayer(CacheLayerMixin):
         self.runtime.wait_indexed()
         dev = sum(t.numel() * t.element_size() for t in (self.kv_k, self.kv_v))
         host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
+        if self.leader is not None:
+            host += sum(h.k.numel() * h.k.element_size() * 2 for h in self.histories)
+        if getattr(self, "_bufs", None) is not None:
+            host += self._bufs.nbytes()
         return {"device": dev, "host": host}

@@ -4,16 +4,15 @@ For every sequence and IceCache layer, the offloaded ("middle") tokens live in a
 :class:`PageStore`, K and V laid out as semantic pages ``[H_kv, P, page_size, D]`` in ordinary
 host memory (only the staging rows that pages are gathered into take part in DMA, see
 :mod:`icecache.runtime.transfer`). A :class:`PageIndex` per
-sequence and reuse group owns the :class:`icecache.HeadForest` that decides that layout, the
-valid length of every page, the device residency of pages (:class:`icecache.ResidentPages`)
-and the current step's selection and load plan. Layers that reuse another layer's layout keep
-their own keys in position order (:class:`History`) to rewrite pages that the leader's index
-changes.
+sequence and reuse group owns the :class:`icecache.HeadForest` that decides that layout and
+the device residency of pages (:class:`icecache.ResidentPages`). Layers that reuse another
+layer's layout keep their own keys in position order (:class:`History`) to rewrite pages that
+the leader's index changes.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -66,10 +65,13 @@ class PageStore:
         """Allocated pages per head."""
         return self.k.shape[1]
 
-    def reserve(self, pages: int) -> None:
-        """Make room for at least ``pages`` pages per head, keeping the contents."""
-        if pages > self.pages:
-            _grow(self, pages, self.pages)
+    def reserve(self, pages: int) -> bool:
+        """Make room for at least ``pages`` pages per head, keeping the contents; whether it
+        grew (which invalidates views handed out before)."""
+        if pages <= self.pages:
+            return False
+        _grow(self, pages, self.pages)
+        return True
 
     def views(self) -> Tuple[np.ndarray, np.ndarray]:
         """NumPy views of the K and V stores (invalidated by :meth:`reserve`)."""
@@ -78,24 +80,40 @@ class PageStore:
 
 class History:
     """K and V of one layer's offloaded tokens in position order, ``[H_kv, n, D]``; grows with
-    the same headroom as the page stores (:func:`headroom`, in tokens)."""
+    the same headroom as the page stores (:func:`headroom`, in tokens). The prompt is appended
+    here; decode-time tokens are written by the look-ahead worker into room reserved by
+    :meth:`reserve`."""
 
     def __init__(self, heads: int, dim: int, dtype: torch.dtype):
         self.k = torch.empty(heads, 0, dim, dtype=dtype)
         self.v = torch.empty_like(self.k)
         self.n = 0
 
+    def reserve(self, tokens: int) -> bool:
+        """Make room for ``tokens`` tokens, keeping the first :attr:`n`; whether it grew."""
+        if tokens <= self.k.shape[1]:
+            return False
+        _grow(self, headroom(tokens), self.n)
+        return True
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         m = k.shape[1]
-        if self.n + m > self.k.shape[1]:
-            _grow(self, headroom(self.n + m), self.n)
+        self.reserve(self.n + m)
         self.k[:, self.n : self.n + m] = k
         self.v[:, self.n : self.n + m] = v
         self.n += m
 
+    def views(self):
+        """NumPy views of the K and V histories (invalidated when :meth:`reserve` grows them)."""
+        return numpy_view(self.k), numpy_view(self.v)
+
 
 class PageIndex:
-    """The index of one sequence for one reuse group: layout, page lengths, residency, plan.
+    """The index of one sequence for one reuse group: the page layout and device residency.
+
+    Built from the prompt (:meth:`add`, on the index worker); during decode the look-ahead
+    worker's jobs insert flushed tokens, select pages and plan their device slots through the
+    same core objects (``icecache._core.LookAheadLayer``).
 
     Args:
         heads: KV heads.
@@ -107,95 +125,19 @@ class PageIndex:
         self.config = config
         self.forest: Optional[_core.HeadForest] = None
         self.resident = _core.ResidentPages(heads, config.device_pages)
-        #: Valid tokens of every page, ``[H_kv, max_pages]`` (0 past a head's pages).
-        self.lens = np.zeros((heads, 0), dtype=np.int32)
-        #: Pages changed by the last :meth:`add`, per head; ``None`` when it built the forest
-        #: (every page is new).
-        self.changed: Optional[List[np.ndarray]] = None
-        #: This step's ``(pages [H, M], counts [H])`` and ``ResidentPages.plan`` result.
-        self.selection: Optional[Tuple[np.ndarray, np.ndarray]] = None
-        self.plan: Optional[Tuple[np.ndarray, ...]] = None
 
     def add(self, k: torch.Tensor, v: torch.Tensor, store: PageStore) -> None:
-        """Index tokens ``[H_kv, m, D]`` (CPU, contiguous) that follow the indexed ones, and
-        write them into ``store`` in page order."""
+        """Index a prompt's middle tokens ``[H_kv, m, D]`` (CPU, contiguous) and write them into
+        ``store`` in page order."""
         k_np, v_np = numpy_view(k), numpy_view(v)
-        if self.forest is None:
-            self.forest = _core.HeadForest(k_np, **self.config.index_kwargs())
-            store.reserve(headroom(self.forest.max_pages()))
-            self.forest.write_pages(k_np, v_np, *store.views())
-            self.changed = None
-        else:
-            store.reserve(self.forest.max_pages() + k.shape[1])
-            self.changed = self.forest.insert(k_np, v_np, *store.views())
-            for head, pages in enumerate(self.changed):
-                # Stale device copies of these pages get reloaded when next selected.
-                self.resident.invalidate(head, pages)
-        self._update_lens()
-
-    def _update_lens(self) -> None:
-        """Bring :attr:`lens` up to date: every page after a build, only the changed pages (and
-        new columns) after an insert, instead of recounting every token of every head."""
-        forest = self.forest
-        width = forest.max_pages()
-        if self.changed is None:
-            lens = np.zeros((self.heads, width), dtype=np.int32)
-            for head in range(self.heads):
-                pages, _ = forest.token_map(head)
-                counts = np.bincount(pages, minlength=forest.num_pages(head))
-                lens[head, : counts.shape[0]] = counts
-            self.lens = lens
-            return
-        if width > self.lens.shape[1]:
-            self.lens = np.pad(self.lens, ((0, 0), (0, width - self.lens.shape[1])))
-        for head, pages in enumerate(self.changed):
-            for page in pages.tolist():
-                self.lens[head, page] = len(forest.page_tokens(head, page))
+        self.forest = _core.HeadForest(k_np, **self.config.index_kwargs())
+        store.reserve(headroom(self.forest.max_pages()))
+        self.forest.write_pages(k_np, v_np, *store.views())
 
     def follow(self, history: History, store: PageStore) -> None:
-        """Bring a reusing layer's ``store`` up to date with this index's last :meth:`add`,
-        from that layer's own keys in position order."""
+        """Write a reusing layer's prompt (``history``) into ``store`` in this index's layout."""
         forest = self.forest
-        store.reserve(headroom(forest.max_pages()) if self.changed is None else forest.max_pages())
-        if self.changed is None:
-            k_src = numpy_view(history.k[:, : history.n])
-            v_src = numpy_view(history.v[:, : history.n])
-            forest.write_pages(k_src, v_src, *store.views())
-            return
-        for head, pages in enumerate(self.changed):
-            if len(pages) == 0:
-                continue
-            # One indexed copy per head for all its changed pages: (page, slot) <- token.
-            tokens = [forest.page_tokens(head, page) for page in pages.tolist()]
-            lens = np.array([len(t) for t in tokens])
-            starts = np.repeat(np.cumsum(lens) - lens, lens)
-            src = torch.from_numpy(np.concatenate(tokens).astype(np.int64))
-            page = torch.from_numpy(np.repeat(pages.astype(np.int64), lens))
-            slot = torch.from_numpy(np.arange(lens.sum()) - starts)
-            store.k[head, page, slot] = history.k[head, src]
-            store.v[head, page, slot] = history.v[head, src]
-
-    def select(self, query: np.ndarray, max_pages: int, scale: float) -> None:
-        """Choose this step's pages for ``query`` (``[H_q, D]``) and plan their loading."""
-        pages = np.full((self.heads, max_pages), -1, dtype=np.int32)
-        counts = np.zeros(self.heads, dtype=np.int32)
-        forest = self.forest
-        if forest is not None and forest.max_pages() <= max_pages:
-            # Everything fits in the budget: take every page, no search (and exact).
-            for head in range(self.heads):
-                n = forest.num_pages(head)
-                pages[head, :n] = np.arange(n, dtype=np.int32)
-                counts[head] = n
-        elif forest is not None:
-            pages, counts = forest.select(query, max_pages, scale=scale)
-        self.selection = (pages, counts)
-        self.plan = self.resident.plan(pages, counts)
-
-    def selected_lens(self) -> np.ndarray:
-        """Valid tokens of each selected page, ``[H_kv, M]`` (0 past the selection)."""
-        pages, counts = self.selection
-        out = np.zeros(pages.shape, dtype=np.int32)
-        if self.lens.shape[1]:
-            rows = np.arange(self.heads)[:, None]
-            out = np.where(pages >= 0, self.lens[rows, np.maximum(pages, 0)], 0).astype(np.int32)
-        return out
+        store.reserve(headroom(forest.max_pages()))
+        k_src = numpy_view(history.k[:, : history.n])
+        v_src = numpy_view(history.v[:, : history.n])
+        forest.write_pages(k_src, v_src, *store.views())

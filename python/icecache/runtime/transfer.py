@@ -1,7 +1,7 @@
 """Transfers between the device and CPU memory.
 
-- :class:`Staging`, decode: one host-to-device copy per layer step carries the step's small
-  integer metadata and the pages to load, gathered into pinned rows.
+- :class:`StepBuffers`, decode: per layer, the queries and flushed tokens going to the host and
+  the staging that carries a step's metadata and pages to the device in one copy.
 - :class:`Transit`, prefill: the prompt's middle tokens leave the device on a side stream into a
   reused host buffer, on the index worker thread, while the device computes the next layers.
 
@@ -14,78 +14,64 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import numpy as np
 import torch
 
-__all__ = ["Staging", "Transit"]
-
-_ALIGN = 64  # bytes; the page rows start aligned after the metadata
+__all__ = ["StepBuffers", "Transit"]
 
 
-class Staging:
-    """Pinned staging for one layer step: metadata (int32) then K rows then V rows.
+class StepBuffers:
+    """The host buffers of one IceCache layer's decode steps, and the device copy of staging.
 
-    :meth:`begin` hands out host views to fill: the metadata, and the rows that the core's
-    gather writes the selected pages into; :meth:`upload` copies all of it to the device in one
-    transfer and returns device views of the same parts. On a GPU the buffer is pinned and the
-    copy asynchronous; two buffers alternate, and a buffer is refilled only after the event
-    recorded behind its last copy, so the next layer's gather can overlap the previous copy. On
-    the CPU the "device" views are the host views.
+    - ``queries`` ``[B, H_q, D]`` float32: each step's queries, copied from the device behind
+      the layer's attention (asynchronously on a GPU) for the look-ahead worker;
+    - ``flag`` ``[1]`` int64: a step number the device writes after the queries; the worker
+      starts the layer's job once it sees it;
+    - ``flush_k``, ``flush_v`` ``[B, H_kv, page_size, D]``: tokens the window hands to the index;
+    - ``staging`` uint8: what a job writes for the device (metadata, then page rows; layout in
+      ``icecache._core.LookAheadLayer``), copied to the device in one transfer by :meth:`upload`.
+
+    On a GPU the host buffers are pinned, so that these copies are asynchronous; on the CPU
+    "uploading" is a view of the staging buffer.
+
+    Args:
+        device: where the layer's tokens live.
+        batch, kv_heads, query_heads, dim, page_size: the layer's shapes.
+        dtype: the KV dtype.
+        staging_bytes: the largest staging a job may need.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.pin = device.type == "cuda"
-        self._buffers: list = [None, None]
-        self._events: list = [None, None]
-        self._turn = 0  # buffer that the next begin() call fills
-        self._layout: Optional[tuple] = None  # (buffer, meta_len, rows_at, end, rows shape, dtype)
-
-    def begin(
+    def __init__(
         self,
-        meta_len: int,
-        n: int,
-        page_size: int,
+        device: torch.device,
+        batch: int,
+        kv_heads: int,
+        query_heads: int,
         dim: int,
+        page_size: int,
         dtype: torch.dtype,
-    ) -> Tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        """Host views for one step: ``(meta [meta_len] int32, k_rows [n, S, D], v_rows [n, S, D])``."""
-        i = self._turn
-        if self.pin:
-            self._turn ^= 1
-        if self._events[i] is not None:
-            self._events[i].synchronize()
-            self._events[i] = None
-        rows_at = -(-meta_len * 4 // _ALIGN) * _ALIGN
-        row_bytes = n * page_size * dim * dtype.itemsize
-        need = rows_at + 2 * row_bytes
-        buf = self._buffers[i]
-        if buf is None or buf.numel() < need:
-            size = max(need, 2 * buf.numel()) if buf is not None else need
-            buf = self._buffers[i] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        shape = (2, n, page_size, dim)
-        self._layout = (i, meta_len, rows_at, need, shape, dtype)
-        meta = buf[: meta_len * 4].numpy().view(np.int32)
-        rows = buf[rows_at:need].view(dtype).view(shape)
-        return meta, rows[0], rows[1]
+        staging_bytes: int,
+    ):
+        self.device = device
+        pin = device.type == "cuda"
+        self.queries = torch.zeros(batch, query_heads, dim, dtype=torch.float32, pin_memory=pin)
+        self.flag = torch.full((1,), -1, dtype=torch.int64, pin_memory=pin)
+        self.flush_k = torch.zeros(batch, kv_heads, page_size, dim, dtype=dtype, pin_memory=pin)
+        self.flush_v = torch.zeros_like(self.flush_k, pin_memory=pin)
+        self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._device_staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device) if pin else None
 
-    def upload(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Copy what :meth:`begin` handed out to the device in one transfer; returns
-        ``(meta [meta_len] int32, rows [2, n, S, D])`` on the device."""
-        i, meta_len, rows_at, end, shape, dtype = self._layout
-        flat = self._buffers[i][:end]
-        if self.pin:
-            flat = flat.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._events[i] = event
-        meta = flat[: meta_len * 4].view(torch.int32)
-        rows = flat[rows_at:].view(dtype).view(shape)
-        return meta, rows
+    def upload(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of staging on the device (one asynchronous copy on a GPU)."""
+        if self._device_staging is None:
+            return self.staging[:nbytes]
+        dev = self._device_staging[:nbytes]
+        dev.copy_(self.staging[:nbytes], non_blocking=True)
+        return dev
 
     def nbytes(self) -> int:
-        """Host bytes held by the staging buffers."""
-        return sum(b.numel() for b in self._buffers if b is not None)
+        """Host bytes held."""
+        parts = (self.queries, self.flag, self.flush_k, self.flush_v, self.staging)
+        return sum(t.numel() * t.element_size() for t in parts)
 
 
 class Transit:

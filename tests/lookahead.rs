@@ -1,0 +1,293 @@
+//! Tests of the look-ahead worker: flags, inserts, selection, planning, staging layout,
+//! followers, cancellation.
+
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use icecache::lookahead::{
+    staging_bytes, Elem, FollowerLane, Flush, Geometry, HostBuf, Job, LeaderLane, LookAhead, Outcome, Ready, Work,
+};
+use icecache::{Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::StandardNormal;
+
+const H: usize = 2;
+const G: usize = 3;
+const D: usize = 16;
+const S: usize = 8;
+
+fn rows(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n * D).map(|_| rng.sample::<f32, _>(StandardNormal)).collect()
+}
+
+fn buf<T>(v: &mut [T]) -> HostBuf {
+    // SAFETY: the vectors outlive the jobs in these tests, which wait for every job.
+    unsafe { HostBuf::new(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
+}
+
+fn geometry() -> Geometry {
+    Geometry { heads: H, query_heads: H * G, dim: D, page_size: S, elem: Elem::F32 }
+}
+
+/// A leader over `n` tokens per head (`[H, n, D]` keys = values), with stores of `p` pages.
+struct Layer {
+    forest: Arc<RwLock<HeadForest>>,
+    resident: Arc<Mutex<ResidentPages>>,
+    keys: Vec<f32>,
+    k_store: Vec<f32>,
+    v_store: Vec<f32>,
+}
+
+fn layer(n: usize, p: usize, capacity: usize) -> Layer {
+    let keys = rows(H * n, 1);
+    let mut cfg = Config::new(D, Metric::InnerProduct);
+    cfg.seed = Some(5);
+    cfg.promotion = vec![0.05, 0.2];
+    let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S).unwrap();
+    let mut k_store = vec![0f32; H * p * S * D];
+    let mut v_store = vec![0f32; H * p * S * D];
+    f.write_pages(&keys, &keys, &mut k_store, &mut v_store).unwrap();
+    Layer {
+        forest: Arc::new(RwLock::new(f)),
+        resident: Arc::new(Mutex::new(ResidentPages::new(H, capacity).unwrap())),
+        keys,
+        k_store,
+        v_store,
+    }
+}
+
+fn leader_job(l: &mut Layer, q: &mut [f32], staging: &mut [u8], flush: Option<Flush>, width: usize) -> Job {
+    Job {
+        geometry: geometry(),
+        ready: None,
+        staging: buf(staging),
+        work: Work::Leader {
+            lanes: vec![LeaderLane {
+                forest: Some(l.forest.clone()),
+                resident: l.resident.clone(),
+                k_store: buf(&mut l.k_store),
+                v_store: buf(&mut l.v_store),
+                flush,
+            }],
+            queries: buf(q),
+            select: SelectParams { max_pages: width, scale: 0.25, effort: 1.0, exact: false, successors: 0 },
+        },
+        keep_alive: Box::new(()),
+    }
+}
+
+struct Meta {
+    load_bh: Vec<i32>,
+    load_slot: Vec<i32>,
+    load_len: Vec<i32>,
+    clear_bh: Vec<i32>,
+    table: Vec<i32>,
+    table_len: Vec<i32>,
+}
+
+fn meta(o: &Outcome, staging: &[u8], lanes: usize) -> Meta {
+    let ints: Vec<i32> =
+        staging[..4 * o.meta_len()].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect();
+    let (n, c, t) = (o.loads, o.clears, lanes * H * o.width);
+    Meta {
+        load_bh: ints[..n].to_vec(),
+        load_slot: ints[n..2 * n].to_vec(),
+        load_len: ints[2 * n..3 * n].to_vec(),
+        clear_bh: ints[3 * n..3 * n + c].to_vec(),
+        table: ints[3 * n + 2 * c..3 * n + 2 * c + t].to_vec(),
+        table_len: ints[3 * n + 2 * c + t..].to_vec(),
+    }
+}
+
+/// The staged rows of loaded page `i` are the store's page, and its length is the page's.
+fn check_rows(l: &Layer, o: &Outcome, m: &Meta, staging: &[u8]) {
+    let f = l.forest.read().unwrap();
+    let p = l.k_store.len() / (H * S * D);
+    let page_bytes = S * D * 4;
+    let table_pages: Vec<i32> = m.table.clone();
+    assert_eq!(m.load_bh.len(), o.loads);
+    for i in 0..o.loads {
+        let head = m.load_bh[i] as usize;
+        // Which page went to that slot: find it in the table of this head.
+        let pos = (0..o.width).find(|&j| table_pages[head * o.width + j] == m.load_slot[i]).expect("loaded slot in table");
+        assert_eq!(m.table_len[head * o.width + pos], m.load_len[i]);
+        let row = &staging[o.rows_at + i * page_bytes..o.rows_at + (i + 1) * page_bytes];
+        let floats: Vec<f32> = row.chunks_exact(4).map(|c| f32::from_ne_bytes(c.try_into().unwrap())).collect();
+        // The row equals some page of the store with that length.
+        let found = (0..f.num_pages(head).unwrap()).any(|pg| {
+            let at = (head * p + pg) * S * D;
+            f.page_tokens(head, pg).unwrap().len() as i32 == m.load_len[i] && l.k_store[at..at + S * D] == floats[..]
+        });
+        assert!(found, "staged row {i} is no page of head {head}");
+    }
+}
+
+#[test]
+fn run_selects_plans_and_stages() {
+    let mut l = layer(400, 120, 24);
+    let g = geometry();
+    let worker = LookAhead::new(Some(2)).unwrap();
+    let mut q = rows(H * G, 9);
+    let width = 12;
+    let mut staging = vec![0u8; staging_bytes(&g, 1, width, 24)];
+    let o = worker.run(leader_job(&mut l, &mut q, &mut staging, None, width)).unwrap();
+    assert_eq!(o.width, width);
+    assert_eq!(o.loads, o.selected, "first step loads every selected page");
+    assert_eq!(o.clears, 0);
+    let m = meta(&o, &staging, 1);
+    check_rows(&l, &o, &m, &staging);
+    // The same selection again loads nothing.
+    let o2 = worker.run(leader_job(&mut l, &mut q, &mut staging, None, width)).unwrap();
+    assert_eq!(o2.loads, 0);
+    assert_eq!(meta(&o2, &staging, 1).table, m.table);
+}
+
+#[test]
+fn everything_fits_takes_every_page() {
+    let mut l = layer(60, 40, 32);
+    let worker = LookAhead::new(Some(1)).unwrap();
+    let mut q = rows(H * G, 2);
+    let width = 32;
+    let mut staging = vec![0u8; staging_bytes(&geometry(), 1, width, 32)];
+    let o = worker.run(leader_job(&mut l, &mut q, &mut staging, None, width)).unwrap();
+    let f = l.forest.read().unwrap();
+    assert_eq!(o.selected, (0..H).map(|h| f.num_pages(h).unwrap()).sum::<usize>());
+    let m = meta(&o, &staging, 1);
+    let total: i32 = m.table_len.iter().sum();
+    assert_eq!(total as usize, H * 60, "every token selected exactly once");
+}
+
+#[test]
+fn flush_inserts_and_reloads_changed_pages() {
+    let mut l = layer(300, 200, 40);
+    let worker = LookAhead::new(Some(2)).unwrap();
+    let mut q = rows(H * G, 4);
+    let width = 40; // the pool holds every selected page
+    let mut staging = vec![0u8; staging_bytes(&geometry(), 1, width, 40)];
+    worker.run(leader_job(&mut l, &mut q, &mut staging, None, width)).unwrap();
+    let before = l.forest.read().unwrap().len();
+    let mut new_k = rows(H * S, 77);
+    let mut new_v = new_k.clone();
+    let flush = Flush { keys: buf(&mut new_k), values: buf(&mut new_v), tokens: S };
+    let o = worker.run(leader_job(&mut l, &mut q, &mut staging, Some(flush), width)).unwrap();
+    let f = l.forest.read().unwrap();
+    assert_eq!(f.len(), before + S);
+    f.validate().unwrap();
+    drop(f);
+    // Every changed page that stays selected is reloaded; the rest are cleared.
+    let m = meta(&o, &staging, 1);
+    check_rows(&l, &o, &m, &staging);
+    assert!(o.loads + o.clears > 0, "an insert changes at least one page per head");
+    assert!(m.clear_bh.iter().all(|&bh| (bh as usize) < H));
+}
+
+#[test]
+fn submit_waits_for_the_flag() {
+    let mut a = layer(400, 120, 24);
+    let mut b = layer(400, 120, 24);
+    let worker = LookAhead::new(Some(2)).unwrap();
+    let width = 12;
+    let g = geometry();
+    let (mut qa, mut qb) = (rows(H * G, 9), rows(H * G, 9));
+    let (mut sa, mut sb) = (vec![0u8; staging_bytes(&g, 1, width, 24)], vec![0u8; staging_bytes(&g, 1, width, 24)]);
+    let want = worker.run(leader_job(&mut a, &mut qa, &mut sa, None, width)).unwrap();
+    let mut flag = vec![0i64; 1];
+    let mut job = leader_job(&mut b, &mut qb, &mut sb, None, width);
+    job.ready = Some(Ready { flag: buf(&mut flag), step: 3 });
+    let state = worker.submit(job).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    assert!(!state.is_done(), "the job must not start before its flag");
+    let flag_addr = flag.as_mut_ptr() as usize;
+    std::thread::spawn(move || {
+        // SAFETY: the test waits for the job before `flag` is dropped.
+        unsafe { std::ptr::write_volatile(flag_addr as *mut i64, 3) };
+    })
+    .join()
+    .unwrap();
+    let got = state.wait().unwrap();
+    assert_eq!((got.loads, got.selected), (want.loads, want.selected));
+    assert_eq!(sa[..want.end], sb[..got.end]);
+    assert!(got.wait_s >= 0.02);
+}
+
+#[test]
+fn cancel_finishes_waiting_jobs_with_an_error() {
+    let mut l = layer(200, 80, 16);
+    let worker = LookAhead::new(Some(1)).unwrap();
+    let mut q = rows(H * G, 1);
+    let mut staging = vec![0u8; staging_bytes(&geometry(), 1, 8, 16)];
+    let mut flag = vec![0i64; 1];
+    let mut job = leader_job(&mut l, &mut q, &mut staging, None, 8);
+    job.ready = Some(Ready { flag: buf(&mut flag), step: 1 });
+    let state = worker.submit(job).unwrap();
+    worker.cancel();
+    let err = state.wait().unwrap_err().to_string();
+    assert!(err.contains("cancelled"), "{err}");
+    // The worker still runs later jobs.
+    let o = worker.run(leader_job(&mut l, &mut q, &mut staging, None, 8)).unwrap();
+    assert!(o.selected > 0);
+}
+
+#[test]
+fn follower_rewrites_changed_pages_and_stages_the_leaders_plan() {
+    let n = 300;
+    let mut l = layer(n, 200, 40);
+    let worker = LookAhead::new(Some(2)).unwrap();
+    let g = geometry();
+    let width = 40;
+    // A follower whose own keys equal the leader's: its store must end up equal.
+    let cap = n + 64;
+    let mut hk = vec![0f32; H * cap * D];
+    for h in 0..H {
+        hk[h * cap * D..(h * cap + n) * D].copy_from_slice(&l.keys[h * n * D..(h + 1) * n * D]);
+    }
+    let mut hv = hk.clone();
+    let mut fk = l.k_store.clone();
+    let mut fv = l.v_store.clone();
+    let mut q = rows(H * G, 4);
+    let mut new_k = rows(H * S, 77);
+    let mut new_v = new_k.clone();
+    let (mut fnk, mut fnv) = (new_k.clone(), new_v.clone());
+    let mut ls = vec![0u8; staging_bytes(&g, 1, width, 40)];
+    let mut fs = vec![0u8; staging_bytes(&g, 1, width, 40)];
+    let lead_flush = Flush { keys: buf(&mut new_k), values: buf(&mut new_v), tokens: S };
+    let lead = worker.submit(leader_job(&mut l, &mut q, &mut ls, Some(lead_flush), width)).unwrap();
+    let job = Job {
+        geometry: g,
+        ready: None,
+        staging: buf(&mut fs),
+        work: Work::Follower {
+            lanes: vec![FollowerLane {
+                k_store: buf(&mut fk),
+                v_store: buf(&mut fv),
+                k_history: buf(&mut hk),
+                v_history: buf(&mut hv),
+                history_len: n + S,
+                flush: Some(Flush { keys: buf(&mut fnk), values: buf(&mut fnv), tokens: S }),
+            }],
+            leader: lead.clone(),
+        },
+        keep_alive: Box::new(()),
+    };
+    let fo = worker.submit(job).unwrap().wait().unwrap();
+    let lo = lead.wait().unwrap();
+    assert_eq!(fk, l.k_store, "follower store differs from the leader's after the insert");
+    assert_eq!(fv, l.v_store);
+    assert_eq!((fo.loads, fo.clears, fo.width), (lo.loads, lo.clears, lo.width));
+    assert_eq!(fs[..fo.end], ls[..lo.end], "same keys, same plan: same staging");
+}
+
+#[test]
+fn bad_jobs_fail_at_submit() {
+    let mut l = layer(100, 40, 8);
+    let worker = LookAhead::new(Some(1)).unwrap();
+    let mut q = rows(H * G - 1, 1); // one query head short
+    let mut staging = vec![0u8; 64];
+    assert!(worker.submit(leader_job(&mut l, &mut q, &mut staging, None, 4)).is_err());
+    let mut q = rows(H * G, 1);
+    // Too small a staging buffer fails when the job runs, not by writing past it.
+    let err = worker.run(leader_job(&mut l, &mut q, &mut staging, None, 4)).unwrap_err().to_string();
+    assert!(err.contains("staging"), "{err}");
+}
