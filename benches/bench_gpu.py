@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Decode on a GPU: full cache (DynamicCache with SDPA or FlashInfer) vs IceCache and IceCache-reuse.
+r"""Decode on a GPU: full cache (DynamicCache with SDPA or FlashInfer) vs IceCache and IceCache-reuse.
 
 A Llama-3.1-8B-shaped model (``--shape llama8b``; ``smollm2`` for a quick run), config written
 here, random bf16 weights made on the GPU; no download. Per context length, one prompt of
@@ -30,9 +30,12 @@ Runs recorded in benches/RESULTS.md, on the lent H200 (icecache wheel + FlashInf
 sdist installed with ``pip install --no-index --no-deps --no-build-isolation --target
 /tmp/site``, ``PYTHONPATH=/tmp/site``):
 
-    python3 benches/bench_gpu.py --contexts 32768 --variants full fullfi ice ice3 --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --cprofile 4 --out $OUT
-    python3 benches/bench_gpu.py --contexts 131072 --variants full fullfi ice ice3 --repeats 2 --steps 16 --warmup 16 --profile-steps 4 --out $OUT
-    python3 benches/bench_gpu.py --shape smollm2 --contexts 16384 --variants full fullfi ice ice3 --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --out $OUT
+    python3 benches/bench_gpu.py --contexts 32768 --variants full fullfi ice ice3 \
+        --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --cprofile 4 --out $OUT
+    python3 benches/bench_gpu.py --contexts 131072 --variants full fullfi ice ice3 \
+        --repeats 2 --steps 16 --warmup 16 --profile-steps 4 --out $OUT
+    python3 benches/bench_gpu.py --shape smollm2 --contexts 16384 --variants full fullfi ice ice3 \
+        --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --out $OUT
 
 Host memory at 128k: ~21 GB of page stores per IceCache variant.
 """
@@ -40,6 +43,7 @@ Host memory at 128k: ~21 GB of page stores per IceCache variant.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -300,7 +304,7 @@ def main(argv=None) -> int:
         for name, make in (makers[k] for k in args.variants if k in makers):
             cache = make()
             if args.cprofile and not name.startswith("full"):
-                total, first, tok = profiled(f"{n}: {name}: prefill", lambda: ttst(cache, ids))
+                total, first, tok = profiled(f"{n}: {name}: prefill", functools.partial(ttst, cache, ids))
             else:
                 total, first, tok = ttst(cache, ids)
             variants[name] = dict(cache=cache, tok=tok, ttst=total, ttft=first, steps=[])
@@ -329,7 +333,7 @@ def main(argv=None) -> int:
                     )
                 )
             # Breakdown pass (device-synced stage boundaries).
-            for name, v in variants.items():
+            for v in variants.values():
                 cache = v["cache"]
                 if not isinstance(cache, IceCache):
                     continue
@@ -349,7 +353,7 @@ def main(argv=None) -> int:
                 v["pages_selected"] = s.pages_selected / args.profile_steps
             for name, v in variants.items() if args.cprofile else ():
 
-                def steps():
+                def steps(v=v):
                     for _ in range(args.cprofile):
                         v["tok"] = step(v["cache"], v["tok"])
                     torch.cuda.synchronize()
@@ -360,7 +364,10 @@ def main(argv=None) -> int:
             if isinstance(cache, IceCache):
                 nb = cache.nbytes()
             else:
-                nb = {"device": sum(2 * l.keys.numel() * l.keys.element_size() for l in cache.layers), "host": 0}
+                nb = {
+                    "device": sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers),
+                    "host": 0,
+                }
             row = dict(
                 context=n,
                 variant=name,
@@ -392,7 +399,8 @@ def main(argv=None) -> int:
     lines = [
         head,
         "",
-        "| context | variant | TTST s | x full | index wait s | TPOT ms | x full | synced pass ms | select | gather | copy | attention | rest | pages loaded/tok | device KV MB | host MB |",
+        "| context | variant | TTST s | x full | index wait s | TPOT ms | x full | synced pass ms "
+        "| select | gather | copy | attention | rest | pages loaded/tok | device KV MB | host MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:

@@ -21,6 +21,10 @@ use crate::pages::HeadForest;
 use crate::select::SelectParams;
 use crate::{Error, KeyData, ResidentPages};
 
+/// NumPy arrays handed back to Python.
+type NdArray1<'py, T> = Bound<'py, PyArray1<T>>;
+type NdArray2<'py, T> = Bound<'py, PyArray2<T>>;
+
 create_exception!(
     _core,
     IndexFileError,
@@ -260,7 +264,7 @@ impl PyDciIndex {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
         ids: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    ) -> PyResult<NdArray1<'py, i64>> {
         let (keys, n) = Keys::extract(keys, "keys", self.inner.dim())?;
         let ids = ids.map(extract_ids).transpose()?;
         // Only a bulk build (into an empty index) runs in parallel.
@@ -287,7 +291,7 @@ impl PyDciIndex {
         k: i64,
         effort: Option<f32>,
         exact: bool,
-    ) -> PyResult<(Bound<'py, PyArray2<i64>>, Bound<'py, PyArray2<f32>>)> {
+    ) -> PyResult<(NdArray2<'py, i64>, NdArray2<'py, f32>)> {
         let (queries, nq) = Keys::extract(queries, "queries", self.inner.dim())?;
         if k < 1 {
             return Err(PyValueError::new_err(format!("k must be at least 1, got {k}")));
@@ -397,7 +401,7 @@ fn rw<'py, T: numpy::Element>(
 }
 
 fn check_shape(what: &str, shape: &[usize], want: &[Option<usize>]) -> PyResult<()> {
-    let ok = shape.len() == want.len() && shape.iter().zip(want).all(|(s, w)| w.map_or(true, |w| *s == w));
+    let ok = shape.len() == want.len() && shape.iter().zip(want).all(|(s, w)| w.is_none_or(|w| *s == w));
     if ok {
         return Ok(());
     }
@@ -494,17 +498,13 @@ impl PyHeadForest {
     }
 
     /// Token positions in ``page`` of ``head``, in slot order.
-    fn page_tokens<'py>(&self, py: Python<'py>, head: usize, page: usize) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    fn page_tokens<'py>(&self, py: Python<'py>, head: usize, page: usize) -> PyResult<NdArray1<'py, i64>> {
         let t = self.inner.page_tokens(head, page).map_err(to_py)?;
         Ok(t.iter().map(|&x| x as i64).collect::<Vec<_>>().into_pyarray(py))
     }
 
     /// ``(page, slot)`` of every token position of ``head``.
-    fn token_map<'py>(
-        &self,
-        py: Python<'py>,
-        head: usize,
-    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+    fn token_map<'py>(&self, py: Python<'py>, head: usize) -> PyResult<(NdArray1<'py, i32>, NdArray1<'py, i32>)> {
         let m = self.inner.token_map(head).map_err(to_py)?;
         let pages: Vec<i32> = m.iter().map(|x| x.0 as i32).collect();
         let slots: Vec<i32> = m.iter().map(|x| x.1 as i32).collect();
@@ -548,7 +548,7 @@ impl PyHeadForest {
         scale: Option<f32>,
         effort: Option<f32>,
         exact: bool,
-    ) -> PyResult<(Bound<'py, PyArray2<i32>>, Bound<'py, PyArray1<i32>>)> {
+    ) -> PyResult<(NdArray2<'py, i32>, NdArray1<'py, i32>)> {
         let (q, _) = Keys::extract(queries, "queries", self.inner.dim())?;
         if max_pages < 1 {
             return Err(PyValueError::new_err(format!("max_pages must be at least 1, got {max_pages}")));
@@ -575,7 +575,7 @@ impl PyHeadForest {
         values: &Bound<'py, PyAny>,
         k_store: &Bound<'py, PyAny>,
         v_store: &Bound<'py, PyAny>,
-    ) -> PyResult<Vec<Bound<'py, PyArray1<i32>>>> {
+    ) -> PyResult<Vec<NdArray1<'py, i32>>> {
         let (h, d, s) = (self.inner.num_heads(), self.inner.dim(), self.inner.page_size());
         let changed = with_elem!(k_store, "k_store", |T| {
             let (ks, kshape) = rw::<T>(k_store, "k_store")?;
@@ -649,12 +649,7 @@ impl PyResidentPages {
         py: Python<'py>,
         pages: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
-    ) -> PyResult<(
-        Bound<'py, PyArray1<i32>>,
-        Bound<'py, PyArray1<i32>>,
-        Bound<'py, PyArray1<i32>>,
-        Bound<'py, PyArray2<i32>>,
-    )> {
+    ) -> PyResult<(NdArray1<'py, i32>, NdArray1<'py, i32>, NdArray1<'py, i32>, NdArray2<'py, i32>)> {
         let (p, pshape) = int_array::<i32>(pages, "pages")?;
         let (c, _) = int_array::<i32>(counts, "counts")?;
         check_shape("pages", &pshape, &[Some(self.inner.num_heads()), None])?;
@@ -713,7 +708,7 @@ fn fold_token_lists<'py>(
     page_size: usize,
     sink_cap: usize,
     win_cap: usize,
-) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+) -> PyResult<(NdArray1<'py, i32>, NdArray1<'py, i32>)> {
     let (t, tshape) = int_array::<i32>(table, "table")?;
     let (l, lshape) = int_array::<i32>(page_len, "page_len")?;
     let (s, sshape) = int_array::<i32>(sink_len, "sink_len")?;

@@ -67,7 +67,7 @@ impl ResidentPages {
     pub fn plan(&mut self, pages: &[i32], counts: &[i32]) -> Result<LoadPlan> {
         let h = self.slots.len();
         ensure!(counts.len() == h, "counts must have {h} entries, got {}", counts.len());
-        ensure!(!pages.is_empty() && pages.len() % h == 0, "pages must be [{h}, max_pages]");
+        ensure!(!pages.is_empty() && pages.len().is_multiple_of(h), "pages must be [{h}, max_pages]");
         let width = pages.len() / h;
         for (hi, &c) in counts.iter().enumerate() {
             ensure!(c >= 0 && c as usize <= width, "counts[{hi}] = {c} is outside 0..={width}");
@@ -137,6 +137,8 @@ impl ResidentPages {
 
 /// Copies page `pages[i]` of head `heads[i]` from the stores (`[H_kv, P, block]` flattened,
 /// `block = page_size · d`) into row `i` of the staging buffers (`[R, block]`), in parallel.
+// Eight plain slices and sizes, each named at the call site; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
 pub fn gather_pages<T: Copy + Send + Sync>(
     k_store: &[T],
     v_store: &[T],
@@ -149,11 +151,11 @@ pub fn gather_pages<T: Copy + Send + Sync>(
 ) -> Result<()> {
     ensure!(block >= 1 && num_heads >= 1, "empty page blocks");
     ensure!(k_store.len() == v_store.len(), "k_store and v_store differ in size");
-    ensure!(k_store.len() % (num_heads * block) == 0, "stores are not [H_kv, P, page_size, d]");
+    ensure!(k_store.len().is_multiple_of(num_heads * block), "stores are not [H_kv, P, page_size, d]");
     let p = k_store.len() / (num_heads * block);
     ensure!(heads.len() == pages.len(), "heads and pages differ in length");
     ensure!(k_stage.len() == v_stage.len(), "k_stage and v_stage differ in size");
-    ensure!(k_stage.len() % block == 0, "staging buffers are not [R, page_size, d]");
+    ensure!(k_stage.len().is_multiple_of(block), "staging buffers are not [R, page_size, d]");
     ensure!(
         k_stage.len() / block >= pages.len(),
         "staging buffers hold {} pages, {} requested",
@@ -210,7 +212,7 @@ pub fn fold_token_lists(
     ensure!(batch >= 1 && heads >= 1, "fold_token_lists: empty batch or no heads");
     ensure!(win_len.len() == batch, "win_len has {} sequences, sink_len {batch}", win_len.len());
     ensure!(
-        table.len() == page_len.len() && table.len() % (batch * heads) == 0,
+        table.len() == page_len.len() && table.len().is_multiple_of(batch * heads),
         "table and page_len must both be [B, H, M] with B = {batch}, H = {heads}"
     );
     let per_request = layout.tokens();

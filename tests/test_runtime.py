@@ -126,8 +126,6 @@ def check_pools(cache):
     for layer in ice_layers(cache):
         indexes = layer.indexes if layer.leader is None else layer.leader.indexes
         for b, index in enumerate(indexes):
-            if index.selection is None:
-                continue
             pages, counts = index.selection
             table = index.plan[3]
             for h in range(layer.heads):

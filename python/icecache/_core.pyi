@@ -1,16 +1,31 @@
-"""Type stubs for the Rust extension ``icecache._core``."""
+"""Type stubs for the Rust extension ``icecache._core``.
+
+The classes are PyO3 classes: constructed through ``__new__`` and not subclassable (``final``).
+"""
 
 from os import PathLike
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, final
+
+__all__ = [
+    "__version__",
+    "IndexFileError",
+    "DCIIndex",
+    "HeadForest",
+    "ResidentPages",
+    "gather_pages",
+    "fold_token_lists",
+]
 
 __version__: str
 
 class IndexFileError(ValueError):
     """A save file is truncated, corrupted, or from an incompatible version."""
 
+@final
 class DCIIndex:
     """Approximate nearest-neighbour index: a multi-level Dynamic Continuous Indexing (M-DCI) tree.
 
@@ -35,18 +50,18 @@ class DCIIndex:
         effort: default query effort (see ``query``).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         dim: int,
         metric: str = "ip",
         *,
-        num_simple: int = ...,
-        num_composite: int = ...,
-        promotion: Union[float, Sequence[float]] = ...,
+        num_simple: Optional[int] = None,
+        num_composite: Optional[int] = None,
+        promotion: Union[float, Sequence[float], None] = None,
         seed: Optional[int] = None,
         threads: Optional[int] = None,
         effort: float = 1.0,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def dim(self) -> int: ...
     @property
@@ -75,6 +90,7 @@ class DCIIndex:
     def load(path: Union[str, PathLike[str]], threads: Optional[int] = None) -> "DCIIndex": ...
     def stats(self) -> dict[str, Any]: ...
 
+@final
 class HeadForest:
     """One M-DCI tree per KV head of one layer of one sequence, with the tree's leaf cells laid
     out as **semantic pages**: runs of at most ``page_size`` tokens whose keys are close (each
@@ -92,8 +108,8 @@ class HeadForest:
             about 100 keys.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         keys: npt.ArrayLike,
         *,
         page_size: int = 16,
@@ -103,7 +119,7 @@ class HeadForest:
         num_composite: Optional[int] = None,
         promotion: Union[float, Sequence[float], None] = None,
         effort: float = 1.0,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def num_heads(self) -> int: ...
     @property
@@ -146,13 +162,14 @@ class HeadForest:
         split moves) into the stores, and returns per head the pages whose contents changed.
         The stores need ``P >= max_pages() + m``."""
 
+@final
 class ResidentPages:
     """Which pages of each KV head are on the device, and in which device page slot.
 
     ``capacity`` device slots per head. ``plan`` maps a step's selection to device slots, reusing
     resident unchanged pages and evicting the least recently used ones."""
 
-    def __init__(self, num_heads: int, capacity: int) -> None: ...
+    def __new__(cls, num_heads: int, capacity: int) -> Self: ...
     def invalidate(self, head: int, pages: npt.ArrayLike) -> None:
         """Marks pages whose contents changed (e.g. from ``HeadForest.insert``) as stale."""
     def plan(

@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Set
 
 __all__ = ["build_parser", "main"]
 
 
 def _layer_list(tokens: Sequence[str]) -> List[int]:
     """``["2-5", "9"]`` or ``["2", "3"]`` or ``["2,3"]`` -> sorted distinct ints."""
-    out = set()
+    out: Set[int] = set()
     for tok in tokens:
         for part in str(tok).split(","):
             part = part.strip()

@@ -341,7 +341,14 @@ def run(args: argparse.Namespace) -> int:
         name = f"IceCache {config.budget}"
         stats = cache.stats
         answer, tps = _generate(
-            model, tokenizer, prompt, cache, args.new_tokens, name, args.quiet, untimed_s=lambda: stats.recall_s
+            model,
+            tokenizer,
+            prompt,
+            cache,
+            args.new_tokens,
+            name,
+            args.quiet,
+            untimed_s=lambda stats=stats: stats.recall_s,
         )
         runs.append(Run(name, answer, prompt.is_correct(answer), cache.nbytes()["device"], index_s, tps, stats.recall))
         say(f"{name}: {answer!r}")

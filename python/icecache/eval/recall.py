@@ -291,14 +291,14 @@ def load_or_capture(
             with np.load(path) as z:
                 q, k, v, layer_ids = z["q"], z["k"], z["v"], z["layers"]
             want = [int(x) for x in layer_ids] if layers is None else [int(x) for x in layers]
-            index = {int(l): j for j, l in enumerate(layer_ids)}
-            bad = [l for l in want if l not in index]
+            index = {int(layer): j for j, layer in enumerate(layer_ids)}
+            bad = [layer for layer in want if layer not in index]
             if bad:
                 raise ValueError(f"{model} has no layer(s) {bad} (it has {len(layer_ids)})")
             out.append(
                 DocQKV(
                     positions=pos.copy(),
-                    layers={l: (q[index[l]], k[index[l]], v[index[l]]) for l in want},
+                    layers={layer: (q[index[layer]], k[index[layer]], v[index[layer]]) for layer in want},
                     name=path.name,
                 )
             )
@@ -313,9 +313,9 @@ def _capture_to(path: Path, model: Any, ids: Sequence[int], pos: np.ndarray) -> 
 
     data = capture_qkv(model, list(ids))
     layer_ids = np.array(sorted(data), dtype=np.int64)
-    q = np.stack([data[l][0][:, pos] for l in layer_ids]).astype(np.float32)
-    k = np.stack([data[l][1] for l in layer_ids]).astype(np.float16)
-    v = np.stack([data[l][2] for l in layer_ids]).astype(np.float16)
+    q = np.stack([data[layer][0][:, pos] for layer in layer_ids]).astype(np.float32)
+    k = np.stack([data[layer][1] for layer in layer_ids]).astype(np.float16)
+    v = np.stack([data[layer][2] for layer in layer_ids]).astype(np.float16)
     del data
     # A concurrent or interrupted capture leaves no half file.
     with atomic_file(path) as part, open(part, "wb") as f:
@@ -857,10 +857,10 @@ def evaluate_qkv(
         T = d.layers[layers[0]][1].shape[1]
         if pos.size == 0 or np.any(np.diff(pos) <= 0) or pos.min() + 1 < sink + window or pos.max() >= T:
             raise ValueError(f"query positions must increase and lie in [{sink + window - 1}, {T})")
-        for l in layers:
-            q, k, v = d.layers[l]
+        for layer in layers:
+            q, k, v = d.layers[layer]
             if q.shape != (H_q, pos.size, D) or k.shape != (H_kv, T, D) or v.shape[:2] != (H_kv, T):
-                raise ValueError(f"layer {l}: shapes q {q.shape}, k {k.shape}, v {v.shape} do not match")
+                raise ValueError(f"layer {layer}: shapes q {q.shape}, k {k.shape}, v {v.shape} do not match")
 
     n_samples = sum(len(d.positions) for d in docs)
     shape = (len(methods), len(budgets), len(layers), H_kv, n_samples)
@@ -891,8 +891,8 @@ def evaluate_qkv(
         s0 = 0
         for d in docs:
             pos = np.asarray(d.positions, np.int64)
-            for li, l in enumerate(layers):
-                q, k, v = d.layers[l]
+            for li, layer in enumerate(layers):
+                q, k, v = d.layers[layer]
                 _eval_layer(
                     np.asarray(q, np.float32),
                     np.asarray(k, np.float32),
@@ -1103,13 +1103,13 @@ def evaluate_recall(
     )
     all_layers = sorted(docs[0].layers)
     if layers is None:
-        layers = [l for l in all_layers if l >= 2]
-    layers = sorted({int(l) for l in layers})
-    bad = [l for l in layers if l not in docs[0].layers]
+        layers = [layer for layer in all_layers if layer >= 2]
+    layers = sorted({int(layer) for layer in layers})
+    bad = [layer for layer in layers if layer not in docs[0].layers]
     if bad:
         raise ValueError(f"{model} has no layer(s) {bad}; layers are {_ranges(all_layers)}")
     for d in docs:
-        d.layers = {l: d.layers[l] for l in layers}
+        d.layers = {layer: d.layers[layer] for layer in layers}
     t_cap = time.perf_counter() - t0
     res = evaluate_qkv(
         docs,

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Union
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from icecache import _core
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import enable
 from icecache.runtime.layer import IceLayer, Runtime, RuntimeStats
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
 __all__ = ["IceCache", "SUPPORTED_MODEL_TYPES"]
 
@@ -83,7 +86,9 @@ class IceCache(Cache):
         self.config = config
         self.runtime = Runtime(config, device, track_recall)
 
-        layers, seen_full, group = [], 0, []
+        layers: List[Union[CacheLayerMixin, LinearAttentionCacheLayerMixin, DummyLayer]] = []
+        group: List[IceLayer] = []
+        seen_full = 0
         for idx, kind in enumerate(layer_types):
             if kind == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
@@ -128,6 +133,8 @@ class IceCache(Cache):
             if isinstance(mine, IceLayer):
                 if getattr(theirs, "is_sliding", False):
                     raise ValueError(f"layer {i} of cache is a sliding-window layer: it lacks the full prompt")
+                if not isinstance(theirs, CacheLayerMixin) or theirs.keys is None or theirs.values is None:
+                    raise ValueError(f"layer {i} of cache holds no keys and values: run the prompt through it first")
                 mine.load_prompt(theirs.keys, theirs.values, valid)
             else:
                 ice.layers[i] = copy.deepcopy(theirs)
@@ -153,7 +160,7 @@ class IceCache(Cache):
             if isinstance(layer, IceLayer):
                 for key, value in layer.nbytes().items():
                     total[key] += value
-            elif layer.is_initialized and layer.keys is not None:
+            elif isinstance(layer, CacheLayerMixin) and layer.is_initialized and layer.keys is not None:
                 total["device"] += 2 * layer.keys.numel() * layer.keys.element_size()
         return total
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -62,13 +62,13 @@ class Runtime:
     device: torch.device
     track_recall: bool
     stats: RuntimeStats = field(default_factory=RuntimeStats)
-    staging: Staging = None
+    staging: Staging = field(init=False)
     #: FlashInfer decode shared by the layers (``None``: the torch path), from ``config.attention``.
     flashinfer: Optional["fi.FlashInferDecode"] = None
     #: Synchronise the device at every timing boundary so that the breakdown in :attr:`stats`
     #: is device time, not launch time (slower; for benchmarks).
     sync_timing: bool = False
-    transit: Transit = None
+    transit: Transit = field(init=False)
     _worker: Optional[ThreadPoolExecutor] = None
     _pending: List[Future] = field(default_factory=list)
 
@@ -156,7 +156,7 @@ class IceLayer(CacheLayerMixin):
         self.leader = leader
         self.length = 0
         self.decoding = False
-        self._prompt = None
+        self._prompt: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     # ------------------------------------------------------------------ transformers API
 
@@ -225,7 +225,7 @@ class IceLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Forget everything; the layer initialises again on the next prompt."""
-        self.__init__(self.runtime, self.layer_idx, self.leader)
+        IceLayer.__init__(self, self.runtime, self.layer_idx, self.leader)
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError("IceCache does not support beam search, cropping or batch reshuffling")
@@ -240,6 +240,8 @@ class IceLayer(CacheLayerMixin):
         Args:
             valid: ``[B, T]`` bool of real (non-padding) positions, or ``None`` for all.
         """
+        if self._prompt is None:
+            raise RuntimeError(f"layer {self.layer_idx} has no prompt to offload")
         k, v = self._prompt
         self._prompt = None
         self.load_prompt(k, v, valid)
@@ -334,6 +336,7 @@ class IceLayer(CacheLayerMixin):
             self.pool_v.view(B * H, C, S, D)[bh, slot] = rows[1]
         t3 = rt.tick()
         if self.use_flashinfer:
+            assert rt.flashinfer is not None  # use_flashinfer says it serves this layer
             out = rt.flashinfer.run(q, self.kv_k, self.kv_v, meta["fi_indptr"], meta["fi_indices"], scale)
         else:
             out = sparse_decode_attention(

@@ -112,9 +112,11 @@ class PageIndex:
         #: Pages changed by the last :meth:`add`, per head; ``None`` when it built the forest
         #: (every page is new).
         self.changed: Optional[List[np.ndarray]] = None
-        #: This step's ``(pages [H, M], counts [H])`` and ``ResidentPages.plan`` result.
-        self.selection: Optional[Tuple[np.ndarray, np.ndarray]] = None
-        self.plan: Optional[Tuple[np.ndarray, ...]] = None
+        #: This step's ``(pages [H, M], counts [H])`` and ``ResidentPages.plan`` result (nothing
+        #: selected and nothing to load until the first :meth:`select`).
+        none = np.zeros(0, dtype=np.int32)
+        self.selection: Tuple[np.ndarray, np.ndarray] = (np.full((heads, 0), -1, np.int32), np.zeros(heads, np.int32))
+        self.plan: Tuple[np.ndarray, ...] = (none, none, none, np.full((heads, 0), -1, np.int32))
 
     def add(self, k: torch.Tensor, v: torch.Tensor, store: PageStore) -> None:
         """Index tokens ``[H_kv, m, D]`` (CPU, contiguous) that follow the indexed ones, and
@@ -137,6 +139,7 @@ class PageIndex:
         """Bring :attr:`lens` up to date: every page after a build, only the changed pages (and
         new columns) after an insert, instead of recounting every token of every head."""
         forest = self.forest
+        assert forest is not None  # add() built it
         width = forest.max_pages()
         if self.changed is None:
             lens = np.zeros((self.heads, width), dtype=np.int32)
@@ -156,6 +159,8 @@ class PageIndex:
         """Bring a reusing layer's ``store`` up to date with this index's last :meth:`add`,
         from that layer's own keys in position order."""
         forest = self.forest
+        if forest is None:
+            raise RuntimeError("PageIndex.follow() needs an add() first: the leader's layout")
         store.reserve(headroom(forest.max_pages()) if self.changed is None else forest.max_pages())
         if self.changed is None:
             k_src = numpy_view(history.k[:, : history.n])

@@ -12,7 +12,7 @@ slow on some hosts (the lent H200 pins 134 MB in 0.5 s) and buys nothing there.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -36,8 +36,8 @@ class Staging:
     def __init__(self, device: torch.device):
         self.device = device
         self.pin = device.type == "cuda"
-        self._buffers: list = [None, None]
-        self._events: list = [None, None]
+        self._buffers: List[Optional[torch.Tensor]] = [None, None]
+        self._events: List[Optional[torch.cuda.Event]] = [None, None]
         self._turn = 0  # buffer that the next begin() call fills
         self._layout: Optional[tuple] = None  # (buffer, meta_len, rows_at, end, rows shape, dtype)
 
@@ -53,8 +53,9 @@ class Staging:
         i = self._turn
         if self.pin:
             self._turn ^= 1
-        if self._events[i] is not None:
-            self._events[i].synchronize()
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()
             self._events[i] = None
         rows_at = -(-meta_len * 4 // _ALIGN) * _ALIGN
         row_bytes = n * page_size * dim * dtype.itemsize
@@ -72,8 +73,12 @@ class Staging:
     def upload(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Copy what :meth:`begin` handed out to the device in one transfer; returns
         ``(meta [meta_len] int32, rows [2, n, S, D])`` on the device."""
+        if self._layout is None:
+            raise RuntimeError("Staging.upload() needs a begin() first")
         i, meta_len, rows_at, end, shape, dtype = self._layout
-        flat = self._buffers[i][:end]
+        buf = self._buffers[i]
+        assert buf is not None  # begin() allocated it
+        flat = buf[:end]
         if self.pin:
             flat = flat.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
@@ -119,6 +124,8 @@ class Transit:
             for o, t in zip(out, tensors):
                 o.copy_(t)
             return tuple(out)
+        if ready is None:
+            raise ValueError("Transit.to_host needs the ready event of the device work")
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             for o, t in zip(out, tensors):
