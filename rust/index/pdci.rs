@@ -9,7 +9,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use super::tree::Cell;
+use super::cells::Cell;
 use super::DciIndex;
 
 /// Reusable buffers of one P-DCI search.

@@ -8,7 +8,7 @@ use std::fs;
 use std::io::Write;
 use std::path::Path;
 
-use super::tree::NONE;
+use super::cells::NONE;
 use super::{DciIndex, FREE};
 use crate::error::{Error, Result};
 
