@@ -717,8 +717,8 @@ fn fold_token_lists<'py>(
     check_shape("page_len", &lshape, &[Some(tshape[0]), Some(tshape[1]), Some(tshape[2])])?;
     check_shape("sink_len", &sshape, &[Some(tshape[0])])?;
     check_shape("win_len", &wshape, &[Some(tshape[0])])?;
-    let layout = crate::load::DeviceLayout { pool_slots, page_size, sink_cap, win_cap };
-    let (indptr, indices) = crate::load::fold_token_lists(&t, &l, &s, &w, tshape[1], layout).map_err(to_py)?;
+    let layout = crate::attend::DeviceLayout { pool_slots, page_size, sink_cap, win_cap };
+    let (indptr, indices) = crate::attend::fold_token_lists(&t, &l, &s, &w, tshape[1], layout).map_err(to_py)?;
     Ok((indptr.into_pyarray(py), indices.into_pyarray(py)))
 }
 

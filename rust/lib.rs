@@ -6,10 +6,12 @@
 //! - [`pages`]: one tree per KV head whose leaf cells are laid out as semantic pages of the CPU
 //!   KV store ([`HeadForest`]), with decode-time inserts;
 //! - [`select`]: the pages a decode step attends to, per KV head (GQA union);
-//! - [`load`]: which pages are resident on the device, and the gather for one bulk copy.
+//! - [`load`]: which pages are resident on the device, and the gather for one bulk copy;
+//! - [`attend`]: the token lists of decode attention over the device pages (FlashInfer).
 //!
 //! Python types live only in `bindings` (feature `python`).
 
+pub mod attend;
 pub mod error;
 pub mod index;
 pub mod input;
