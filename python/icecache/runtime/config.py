@@ -36,7 +36,9 @@ class IceCacheConfig:
             across steps until evicted. Default: ``budget // page_size``, so that sink, window
             and pool together hold ``sink + window + budget`` tokens per layer and KV head.
         effort, num_simple, num_composite, promotion, seed, threads: index parameters, passed
-            to :class:`icecache.HeadForest` (``None``: the index's defaults).
+            to :class:`icecache.HeadForest` (``None``: the index's defaults). ``threads=None``
+            is all cores in a single process; under ``torch.distributed`` with several ranks
+            on one host, each rank's even share of them (:mod:`icecache.runtime.parallel`).
         device: where sinks, windows and the page pool live. Default: the model's device.
         attention: decode attention backend: ``"flashinfer"`` (FlashInfer paged decode with
             per-KV-head page tables, :mod:`icecache.attend.flashinfer`; CUDA, fp16/bf16, needs
