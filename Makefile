@@ -8,7 +8,10 @@ BIN := $(VENV)/bin
 # copy of every wheel, which has run a CI machine out of disk.
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: demo test test-rust test-python test-wheel venv bench
+# Lint tools, pinned: a new release may add checks, and a commit that passed must keep passing.
+LINT_TOOLS := ruff==0.17.6 mypy==2.4.1 types-tqdm==4.70.0.20261106
+
+.PHONY: demo test test-rust test-python test-wheel venv bench lint lint-rust lint-python
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +33,22 @@ bench: venv
 	$(BIN)/python benches/bench_index.py --data all
 	$(BIN)/python benches/bench_pages.py
 	$(BIN)/python benches/bench_decode.py
+
+## Lint: rustfmt, clippy (warnings are errors), ruff check and format, mypy, and stubtest of
+## `_core.pyi` against the extension that `venv` builds from this checkout.
+lint: lint-rust lint-python
+
+# pyo3's build script (feature `python`) needs an interpreter: the venv's.
+lint-rust: $(BIN)/python
+	cargo fmt --check
+	PYO3_PYTHON=$(CURDIR)/$(BIN)/python cargo clippy --all-targets --all-features -- -D warnings
+
+lint-python: venv
+	$(BIN)/pip install -q $(LINT_TOOLS)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/python -m mypy.stubtest icecache._core
 
 ## All tests: Rust unit, property and integration tests; the wheel in a clean venv; pytest.
 test: test-rust test-wheel test-python

@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         if rs[0][1] is None:
             print(f"| {name} | {total:.1f} | - | - | - | - | - |")
             continue
-        per = lambda f: statistics.median(f(s) / args.steps for _, s in rs) * 1e3  # noqa: E731
+        per = lambda f, rs=rs: statistics.median(f(s) / args.steps for _, s in rs) * 1e3  # noqa: E731
         sel, gat, cp, att = (per(lambda s, k=k: getattr(s, k)) for k in ("select_s", "gather_s", "copy_s", "attend_s"))
         print(
             f"| {name} | {total:.1f} | {sel:.2f} | {gat:.2f} | {cp:.2f} | {att:.2f} | "

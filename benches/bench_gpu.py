@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Decode on a GPU: full cache (DynamicCache with SDPA or FlashInfer) vs IceCache and IceCache-reuse.
+r"""Decode on a GPU: full cache (DynamicCache with SDPA or FlashInfer) vs IceCache and IceCache-reuse.
 
-A Llama-3.1-8B-shaped model (``--shape llama8b``; ``smollm2`` for a quick run), config written
-here, random bf16 weights made on the GPU; no download. Per context length, one prompt of
-random tokens:
+A Llama-3.1-8B-shaped model (``--shape llama8b``; ``smollm2`` for a quick run, ``tiny`` for a
+CPU check), config written here, random bf16 weights made on the GPU; no download. Under
+torchrun with N processes (tensor parallelism, one GPU each; see below) each rank makes its
+own shard. Per context length, one prompt of random tokens:
 
 - time to second token (TTST): prefill + one decode step, from an empty cache, for each
   variant; IceCache's prefill pipeline indexes on a worker thread and the first decode step
@@ -30,16 +31,38 @@ Runs recorded in benches/RESULTS.md, on the lent H200 (icecache wheel + FlashInf
 sdist installed with ``pip install --no-index --no-deps --no-build-isolation --target
 /tmp/site``, ``PYTHONPATH=/tmp/site``):
 
-    python3 benches/bench_gpu.py --contexts 32768 --variants full fullfi ice ice3 --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --cprofile 4 --out $OUT
-    python3 benches/bench_gpu.py --contexts 131072 --variants full fullfi ice ice3 --repeats 2 --steps 16 --warmup 16 --profile-steps 4 --out $OUT
-    python3 benches/bench_gpu.py --shape smollm2 --contexts 16384 --variants full fullfi ice ice3 --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --out $OUT
+    python3 benches/bench_gpu.py --contexts 32768 --variants full fullfi ice ice3 \
+        --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --cprofile 4 --out $OUT
+    python3 benches/bench_gpu.py --contexts 131072 --variants full fullfi ice ice3 \
+        --repeats 2 --steps 16 --warmup 16 --profile-steps 4 --out $OUT
+    python3 benches/bench_gpu.py --shape smollm2 --contexts 16384 --variants full fullfi ice ice3 \
+        --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --out $OUT
 
 Host memory at 128k: ~21 GB of page stores per IceCache variant.
+
+Tensor parallelism: ``torchrun --nproc-per-node N benches/bench_gpu.py [options]`` splits the
+model over N GPUs with transformers' tensor parallelism (``from_pretrained(None, config=...,
+state_dict={}, distributed_config=DistributedConfig(tp_plan="auto"))``, NCCL): each rank makes
+its shard of the random weights, holds its KV heads in its cache (IceCache: indexes, stores
+and selects only them) and runs the same steps; the ranks move in lockstep through every
+layer's all-reduce, and rank 0 reports its own times, breakdown and bytes. The H200 x2 runs,
+with the TP=1 runs of the same script on the same machine as the baseline for the ratios
+(NVLink multicast stays off, as that machine requires):
+
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    python3 -m torch.distributed.run --nproc-per-node 2 benches/bench_gpu.py --contexts 32768 \
+        --variants full fullfi ice --repeats 3 --steps 16 --warmup 16 --profile-steps 4 --out $OUT/tp2-32k
+    (the same with --nproc-per-node 1, and with --contexts 131072 --repeats 2)
+
+On the CPU (gloo, torch attention, float32) as a check of the script, not a measurement:
+``torchrun --nproc-per-node 2 benches/bench_gpu.py --shape tiny --contexts 2048 --steps 4
+--repeats 2 --warmup 2 --profile-steps 2``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -92,7 +115,44 @@ def smollm2_config(layers: int):
     )
 
 
-SHAPES = {"llama8b": (llama8b_config, 32), "smollm2": (smollm2_config, 30)}
+def tiny_config(layers: int):
+    """A small Llama with 8 query / 4 KV heads (1, 2 or 4 ranks split it), for CPU checks."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=65536,
+    )
+
+
+SHAPES = {"llama8b": (llama8b_config, 32), "smollm2": (smollm2_config, 30), "tiny": (tiny_config, 6)}
+
+
+def build_model(cfg, device, world: int):
+    """Random weights (bf16 on a GPU, float32 on the CPU) on ``device``; under tensor
+    parallelism over ``world`` ranks, each rank makes its own shard."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if world > 1:
+        from transformers.distributed import DistributedConfig
+
+        return LlamaForCausalLM.from_pretrained(
+            None, config=cfg, state_dict={}, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto")
+        ).eval()
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    return model.eval()
+
 
 #: Decode attention of the full-cache FlashInfer variant is on while this holds True.
 _FULL_FLASHINFER = [False]
@@ -173,11 +233,13 @@ def main(argv=None) -> int:
         "--shape",
         default="llama8b",
         choices=sorted(SHAPES),
-        help="llama8b: Llama-3.1-8B (32 layers); smollm2: SmolLM2-135M (30 layers), quick",
+        help="llama8b: Llama-3.1-8B (32 layers); smollm2: SmolLM2-135M (30 layers), quick; tiny: CPU check",
     )
     ap.add_argument("--layers", type=int, default=None, help="default: the shape's")
     ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=None, help="IceCacheConfig.threads (default: all cores)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="IceCacheConfig.threads (default: all cores, per rank its share)"
+    )
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     ap.add_argument("--time-limit", type=float, default=1e9, help="skip contexts started after this many s")
     ap.add_argument(
@@ -198,18 +260,42 @@ def main(argv=None) -> int:
 
     import icecache
     import torch
+    import torch.distributed as dist
     import transformers
     from icecache._util import register_attention
-    from icecache.runtime import IceCache, IceCacheConfig, RuntimeStats, enable
+    from icecache.runtime import IceCache, IceCacheConfig, RuntimeStats, enable, kv_heads_per_rank
     from transformers import DynamicCache, LlamaForCausalLM
 
+    make_config, default_layers = SHAPES[args.shape]
+    args.layers = args.layers or default_layers
+    cfg = make_config(args.layers)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes: tensor-parallel ranks
+    kv_heads_per_rank(cfg, world)  # before any work
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    rank = int(os.environ.get("RANK", "0"))
     log_lines = []
 
     def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-        log_lines.append(msg)
+        if rank == 0:
+            print(msg, file=sys.stderr, flush=True)
+            log_lines.append(msg)
 
-    attention = args.attention
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def agree(value):
+        """Rank 0's ``value`` in every rank, so that all ranks run the same steps."""
+        if world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    attention = args.attention if cuda else "torch"
     if attention != "torch":
         err = flashinfer_smoke()
         if err:
@@ -219,18 +305,12 @@ def main(argv=None) -> int:
             attention = "torch"
         else:
             attention = "flashinfer"
-    log(f"attention backend: {attention}")
 
     torch.manual_seed(0)
-    make_config, default_layers = SHAPES[args.shape]
-    args.layers = args.layers or default_layers
-    cfg = make_config(args.layers)
     t0 = time.perf_counter()
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
-    model.eval()
+    model = build_model(cfg, device, world)
+    attention = agree(attention)
+    log(f"attention backend: {attention}")
     enable(model)  # registers IceCache's attention function, which bench_attention wraps
     register_attention("bench", bench_attention)
     model.set_attn_implementation("bench")
@@ -253,15 +333,15 @@ def main(argv=None) -> int:
         return cache
 
     def ttst(cache, ids):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         with torch.inference_mode():
             out = model(ids, logits_to_keep=1, **{kw: cache})
             tok = out.logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
+            sync()
             t_first = time.perf_counter() - t
             tok = step(cache, tok)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t, t_first, tok
 
     def profiled(what, fn):
@@ -281,12 +361,13 @@ def main(argv=None) -> int:
     def ice_config(reuse):
         return IceCacheConfig(budget=args.budget, reuse=reuse, attention=attention, threads=args.threads)
 
-    results = []
+    results, shard, threads = [], None, None
     for n in args.contexts:
-        if time.perf_counter() - start > args.time_limit:
+        if agree(time.perf_counter() - start > args.time_limit):
             log(f"skipping {n}: time limit")
             continue
-        ids = torch.randint(0, cfg.vocab_size, (1, n), device="cuda")
+        # The same prompt in every rank.
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
         variants = {}
         makers = {
             "full": ("full (SDPA)", lambda: DynamicCache(config=model.config)),
@@ -300,18 +381,19 @@ def main(argv=None) -> int:
         for name, make in (makers[k] for k in args.variants if k in makers):
             cache = make()
             if args.cprofile and not name.startswith("full"):
-                total, first, tok = profiled(f"{n}: {name}: prefill", lambda: ttst(cache, ids))
+                total, first, tok = profiled(f"{n}: {name}: prefill", functools.partial(ttst, cache, ids))
             else:
                 total, first, tok = ttst(cache, ids)
             variants[name] = dict(cache=cache, tok=tok, ttst=total, ttft=first, steps=[])
             if isinstance(cache, IceCache):  # how long the first decode step waited for the index
                 variants[name]["index_wait_s"] = cache.stats.index_wait_s
+                shard, threads = cache.shard, cache.runtime.config.threads
             log(f"{n}: {name}: TTFT {first:.2f} s, TTST {total:.2f} s")
         with torch.inference_mode():
             for v in variants.values():
                 for _ in range(args.warmup):
                     v["tok"] = step(v["cache"], v["tok"])
-            torch.cuda.synchronize()
+            sync()
             names = list(variants)
             for rep in range(args.repeats):
                 order = names[rep % len(names) :] + names[: rep % len(names)]
@@ -320,7 +402,7 @@ def main(argv=None) -> int:
                     for _ in range(args.steps):
                         t = time.perf_counter()
                         v["tok"] = step(v["cache"], v["tok"])
-                        torch.cuda.synchronize()
+                        sync()
                         v["steps"].append(time.perf_counter() - t)
                 log(
                     f"{n}: round {rep + 1}: "
@@ -329,7 +411,7 @@ def main(argv=None) -> int:
                     )
                 )
             # Breakdown pass (device-synced stage boundaries).
-            for name, v in variants.items():
+            for v in variants.values():
                 cache = v["cache"]
                 if not isinstance(cache, IceCache):
                     continue
@@ -338,7 +420,7 @@ def main(argv=None) -> int:
                 t = time.perf_counter()
                 for _ in range(args.profile_steps):
                     v["tok"] = step(cache, v["tok"])
-                torch.cuda.synchronize()
+                sync()
                 v["profile_total"] = (time.perf_counter() - t) / args.profile_steps
                 cache.runtime.sync_timing = False
                 s = cache.stats
@@ -349,10 +431,10 @@ def main(argv=None) -> int:
                 v["pages_selected"] = s.pages_selected / args.profile_steps
             for name, v in variants.items() if args.cprofile else ():
 
-                def steps():
+                def steps(v=v):
                     for _ in range(args.cprofile):
                         v["tok"] = step(v["cache"], v["tok"])
-                    torch.cuda.synchronize()
+                    sync()
 
                 profiled(f"{n}: {name}: {args.cprofile} decode steps", steps)
         for name, v in variants.items():
@@ -360,7 +442,10 @@ def main(argv=None) -> int:
             if isinstance(cache, IceCache):
                 nb = cache.nbytes()
             else:
-                nb = {"device": sum(2 * l.keys.numel() * l.keys.element_size() for l in cache.layers), "host": 0}
+                nb = {
+                    "device": sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers),
+                    "host": 0,
+                }
             row = dict(
                 context=n,
                 variant=name,
@@ -380,19 +465,31 @@ def main(argv=None) -> int:
             results.append(row)
             log(json.dumps(row))
         del variants
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
 
+    if rank != 0:
+        return 0
+    where = f"{torch.cuda.get_device_name()} x{world}" if cuda else f"CPU, {world} process(es)"
+    if world > 1 and shard is not None:
+        where += (
+            f", tensor parallelism: rank 0 holds KV heads {shard.first}..{shard.first + shard.count - 1} of "
+            f"{shard.count * shard.size}, index threads {threads or 'all'} per rank, figures of rank 0"
+        )
+
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     head = (
-        f"H200 ({torch.cuda.get_device_name()}), torch {torch.__version__}, transformers "
+        f"{where}; torch {torch.__version__}, transformers "
         f"{transformers.__version__}, icecache {icecache.__version__}; {args.shape} shape "
-        f"({args.layers} layers), random bf16 weights, batch 1; budget {args.budget} (page 16, "
+        f"({args.layers} layers), random {dtype} weights, batch 1; budget {args.budget} (page 16, "
         f"sink 16, window 32, 2 full layers); IceCache attention: {attention}; TPOT median of "
         f"{args.repeats}x{args.steps} interleaved steps after {args.warmup} warm-up steps"
     )
     lines = [
         head,
         "",
-        "| context | variant | TTST s | x full | index wait s | TPOT ms | x full | synced pass ms | select | gather | copy | attention | rest | pages loaded/tok | device KV MB | host MB |",
+        "| context | variant | TTST s | x full | index wait s | TPOT ms | x full | synced pass ms "
+        "| select | gather | copy | attention | rest | pages loaded/tok | device KV MB | host MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:

@@ -216,8 +216,8 @@ def bench_dci(ds, truth, args, n_build):
     extra = dict(index_bytes=stats.get("bytes"), levels=stats.get("levels"))
     rows = []
     for e in args.efforts:
-        lat = time_single_queries(lambda q: idx.query(q, k, effort=e), queries, f"DCI effort={e}")
-        qps, (found, _) = time_batch(lambda q: idx.query(q, k, effort=e), queries)
+        lat = time_single_queries(lambda q, e=e: idx.query(q, k, effort=e), queries, f"DCI effort={e}")
+        qps, (found, _) = time_batch(lambda q, e=e: idx.query(q, k, effort=e), queries)
         rows.append(
             row(ds, "DCIIndex", f"effort={e:g}", lat=lat, qps=qps, found=found, truth=truth, k=k, **common, **extra)
         )
@@ -403,7 +403,10 @@ def fmt(x, spec, none="–"):
 
 
 def markdown_table(rows, k) -> str:
-    head = f"| data | method | setting | build s | insert/s | query µs (median) | query µs (mean) | batch q/s | R@10 | R@{k} |"
+    head = (
+        "| data | method | setting | build s | insert/s | query µs (median) | query µs (mean) | batch q/s "
+        f"| R@10 | R@{k} |"
+    )
     lines = [head, "|" + "|".join(["---"] * 10) + "|"]
     for r in rows:
         lines.append(

@@ -18,6 +18,7 @@ Measures, on this machine:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -74,10 +75,12 @@ def main(argv=None) -> int:
     shapes = {"smollm2 3x8k x64": smollm2_keys(), "llama8b 8x32k x128": clustered(8, 32768, 128, 2)}
     for name, keys in shapes.items():
         for threads in thread_counts:
-            secs = timeit(lambda: icecache.HeadForest(keys, seed=0, threads=threads), max(3, args.repeats // 5))
+            build = functools.partial(icecache.HeadForest, keys, seed=0, threads=threads)
+            secs = timeit(build, max(3, args.repeats // 5))
             rows.append(("build", name, threads, secs * 1e3, secs * 1e3 / keys.shape[0], "ms / layer; ms / tree"))
             print(
-                f"build {name:<20} threads={threads}: {secs * 1e3:8.1f} ms per layer, {secs * 1e3 / keys.shape[0]:6.1f} ms per tree",
+                f"build {name:<20} threads={threads}: {secs * 1e3:8.1f} ms per layer, "
+                f"{secs * 1e3 / keys.shape[0]:6.1f} ms per tree",
                 file=sys.stderr,
             )
 
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
     queries += rng.normal(0, 0.5, queries.shape).astype(np.float32)
     for threads in thread_counts:
         forest = icecache.HeadForest(keys, seed=0, threads=threads)
-        sel = timeit(lambda: forest.select(queries, 12), args.repeats * 5)
+        sel = timeit(functools.partial(forest.select, queries, 12), args.repeats * 5)
         rows.append(("select", "llama8b 32q/8kv 32k, 12 pages", threads, sel * 1e3, None, "ms"))
         print(f"select llama8b layer ({threads} threads): {sel * 1e3:.3f} ms", file=sys.stderr)
 
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
         layer_queries.append(q + rng.normal(0, 0.5, q.shape).astype(np.float32))
         del lk
     times = []
-    for step in range(args.repeats + 1):
+    for _ in range(args.repeats + 1):
         for f, q in zip(layers, layer_queries):
             t = time.perf_counter()
             f.select(q, 12)
@@ -147,14 +150,16 @@ def main(argv=None) -> int:
         )
     )
     print(
-        f"gather: {nbytes / g / 1e9:.2f} GB/s vs single-core memcpy {nbytes / m / 1e9:.2f} GB/s ({g / m:.2f}x the memcpy time)",
+        f"gather: {nbytes / g / 1e9:.2f} GB/s vs single-core memcpy {nbytes / m / 1e9:.2f} GB/s "
+        f"({g / m:.2f}x the memcpy time)",
         file=sys.stderr,
     )
 
     header = (
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"python {platform.python_version()}, numpy {np.__version__}, icecache {icecache.__version__}; "
-        f"command: python benches/bench_pages.py --repeats {args.repeats} --threads {args.threads} --layers {args.layers}"
+        f"command: python benches/bench_pages.py --repeats {args.repeats} --threads {args.threads} "
+        f"--layers {args.layers}"
     )
     print(header)
     print("| what | shape | threads | value | per tree / memcpy | unit |")

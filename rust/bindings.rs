@@ -22,6 +22,9 @@ use crate::select::SelectParams;
 use crate::{Error, KeyData, ResidentPages};
 
 mod lookahead;
+/// NumPy arrays handed back to Python.
+type NdArray1<'py, T> = Bound<'py, PyArray1<T>>;
+type NdArray2<'py, T> = Bound<'py, PyArray2<T>>;
 
 create_exception!(
     _core,
@@ -263,7 +266,7 @@ impl PyDciIndex {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
         ids: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    ) -> PyResult<NdArray1<'py, i64>> {
         let (keys, n) = Keys::extract(keys, "keys", self.inner.dim())?;
         let ids = ids.map(extract_ids).transpose()?;
         // Only a bulk build (into an empty index) runs in parallel.
@@ -290,7 +293,7 @@ impl PyDciIndex {
         k: i64,
         effort: Option<f32>,
         exact: bool,
-    ) -> PyResult<(Bound<'py, PyArray2<i64>>, Bound<'py, PyArray2<f32>>)> {
+    ) -> PyResult<(NdArray2<'py, i64>, NdArray2<'py, f32>)> {
         let (queries, nq) = Keys::extract(queries, "queries", self.inner.dim())?;
         if k < 1 {
             return Err(PyValueError::new_err(format!("k must be at least 1, got {k}")));
@@ -400,7 +403,7 @@ fn rw<'py, T: numpy::Element>(
 }
 
 fn check_shape(what: &str, shape: &[usize], want: &[Option<usize>]) -> PyResult<()> {
-    let ok = shape.len() == want.len() && shape.iter().zip(want).all(|(s, w)| w.map_or(true, |w| *s == w));
+    let ok = shape.len() == want.len() && shape.iter().zip(want).all(|(s, w)| w.is_none_or(|w| *s == w));
     if ok {
         return Ok(());
     }
@@ -511,18 +514,14 @@ impl PyHeadForest {
     }
 
     /// Token positions in ``page`` of ``head``, in slot order.
-    fn page_tokens<'py>(&self, py: Python<'py>, head: usize, page: usize) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    fn page_tokens<'py>(&self, py: Python<'py>, head: usize, page: usize) -> PyResult<NdArray1<'py, i64>> {
         let f = self.read();
         let t = f.page_tokens(head, page).map_err(to_py)?;
         Ok(t.iter().map(|&x| x as i64).collect::<Vec<_>>().into_pyarray(py))
     }
 
     /// ``(page, slot)`` of every token position of ``head``.
-    fn token_map<'py>(
-        &self,
-        py: Python<'py>,
-        head: usize,
-    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+    fn token_map<'py>(&self, py: Python<'py>, head: usize) -> PyResult<(NdArray1<'py, i32>, NdArray1<'py, i32>)> {
         let f = self.read();
         let m = f.token_map(head).map_err(to_py)?;
         let pages: Vec<i32> = m.iter().map(|x| x.0 as i32).collect();
@@ -569,7 +568,7 @@ impl PyHeadForest {
         effort: Option<f32>,
         exact: bool,
         successors: usize,
-    ) -> PyResult<(Bound<'py, PyArray2<i32>>, Bound<'py, PyArray1<i32>>)> {
+    ) -> PyResult<(NdArray2<'py, i32>, NdArray1<'py, i32>)> {
         let f = self.read();
         let (q, _) = Keys::extract(queries, "queries", f.dim())?;
         if max_pages < 1 {
@@ -598,7 +597,7 @@ impl PyHeadForest {
         values: &Bound<'py, PyAny>,
         k_store: &Bound<'py, PyAny>,
         v_store: &Bound<'py, PyAny>,
-    ) -> PyResult<Vec<Bound<'py, PyArray1<i32>>>> {
+    ) -> PyResult<Vec<NdArray1<'py, i32>>> {
         let mut f = self.write();
         let (h, d, s) = (f.num_heads(), f.dim(), f.page_size());
         let changed = with_elem!(k_store, "k_store", |T| {
@@ -688,12 +687,7 @@ impl PyResidentPages {
         py: Python<'py>,
         pages: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
-    ) -> PyResult<(
-        Bound<'py, PyArray1<i32>>,
-        Bound<'py, PyArray1<i32>>,
-        Bound<'py, PyArray1<i32>>,
-        Bound<'py, PyArray2<i32>>,
-    )> {
+    ) -> PyResult<(NdArray1<'py, i32>, NdArray1<'py, i32>, NdArray1<'py, i32>, NdArray2<'py, i32>)> {
         let (p, pshape) = int_array::<i32>(pages, "pages")?;
         let (c, _) = int_array::<i32>(counts, "counts")?;
         let mut resident = self.lock();
@@ -738,35 +732,6 @@ fn gather_pages(
     })
 }
 
-/// Token lists of attention over a layer's device buffer folded to one-token pages.
-/// See ``icecache/_core.pyi``.
-#[pyfunction]
-#[pyo3(signature = (table, page_len, sink_len, win_len, *, pool_slots, page_size, sink_cap, win_cap))]
-#[allow(clippy::too_many_arguments)]
-fn fold_token_lists<'py>(
-    py: Python<'py>,
-    table: &Bound<'py, PyAny>,
-    page_len: &Bound<'py, PyAny>,
-    sink_len: &Bound<'py, PyAny>,
-    win_len: &Bound<'py, PyAny>,
-    pool_slots: usize,
-    page_size: usize,
-    sink_cap: usize,
-    win_cap: usize,
-) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
-    let (t, tshape) = int_array::<i32>(table, "table")?;
-    let (l, lshape) = int_array::<i32>(page_len, "page_len")?;
-    let (s, sshape) = int_array::<i32>(sink_len, "sink_len")?;
-    let (w, wshape) = int_array::<i32>(win_len, "win_len")?;
-    check_shape("table", &tshape, &[None, None, None])?;
-    check_shape("page_len", &lshape, &[Some(tshape[0]), Some(tshape[1]), Some(tshape[2])])?;
-    check_shape("sink_len", &sshape, &[Some(tshape[0])])?;
-    check_shape("win_len", &wshape, &[Some(tshape[0])])?;
-    let layout = crate::load::DeviceLayout { pool_slots, page_size, sink_cap, win_cap };
-    let (indptr, indices) = crate::load::fold_token_lists(&t, &l, &s, &w, tshape[1], layout).map_err(to_py)?;
-    Ok((indptr.into_pyarray(py), indices.into_pyarray(py)))
-}
-
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -778,6 +743,5 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<lookahead::PyLookAheadLayer>()?;
     m.add_class::<lookahead::PyOutcome>()?;
     m.add_function(wrap_pyfunction!(gather_pages, m)?)?;
-    m.add_function(wrap_pyfunction!(fold_token_lists, m)?)?;
     Ok(())
 }

@@ -45,7 +45,11 @@ const MAX_SQ_NORM: f32 = f32::MAX / 4.0;
 /// Checks that `data` is a whole number of rows of `dim` finite values whose norms f32
 /// arithmetic can handle; returns the row count.
 pub fn check_rows(data: &[f32], dim: usize, what: &str) -> Result<usize> {
-    ensure!(data.len() % dim == 0, "{what}: {} values are not a whole number of rows of dim {dim}", data.len());
+    ensure!(
+        data.len().is_multiple_of(dim),
+        "{what}: {} values are not a whole number of rows of dim {dim}",
+        data.len()
+    );
     // Common case in one pass (a NaN or infinity fails its row's norm test too), spread over
     // the pool when large; the error path below finds the first offender.
     let ok = |r: &[f32]| crate::simd::dot(r, r) <= MAX_SQ_NORM;
@@ -57,7 +61,7 @@ pub fn check_rows(data: &[f32], dim: usize, what: &str) -> Result<usize> {
     if let Some(i) = data.iter().position(|x| !x.is_finite()) {
         return Err(crate::Error::Invalid(format!("{what}: row {} holds a NaN or infinite value", i / dim)));
     }
-    if let Some(i) = data.chunks_exact(dim).position(|r| !(crate::simd::dot(r, r) <= MAX_SQ_NORM)) {
+    if let Some(i) = data.chunks_exact(dim).position(|r| !ok(r)) {
         return Err(crate::Error::Invalid(format!("{what}: row {i} has a norm too large for float32 arithmetic")));
     }
     Ok(data.len() / dim)

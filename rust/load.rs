@@ -77,7 +77,7 @@ impl ResidentPages {
     pub fn plan(&mut self, pages: &[i32], counts: &[i32]) -> Result<LoadPlan> {
         let h = self.slots.len();
         ensure!(counts.len() == h, "counts must have {h} entries, got {}", counts.len());
-        ensure!(!pages.is_empty() && pages.len() % h == 0, "pages must be [{h}, max_pages]");
+        ensure!(!pages.is_empty() && pages.len().is_multiple_of(h), "pages must be [{h}, max_pages]");
         let width = pages.len() / h;
         for (hi, &c) in counts.iter().enumerate() {
             ensure!(c >= 0 && c as usize <= width, "counts[{hi}] = {c} is outside 0..={width}");
@@ -163,6 +163,8 @@ impl ResidentPages {
 
 /// Copies page `pages[i]` of head `heads[i]` from the stores (`[H_kv, P, block]` flattened,
 /// `block = page_size · d`) into row `i` of the staging buffers (`[R, block]`), in parallel.
+// Eight plain slices and sizes, each named at the call site; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
 pub fn gather_pages<T: Copy + Send + Sync>(
     k_store: &[T],
     v_store: &[T],
@@ -175,11 +177,11 @@ pub fn gather_pages<T: Copy + Send + Sync>(
 ) -> Result<()> {
     ensure!(block >= 1 && num_heads >= 1, "empty page blocks");
     ensure!(k_store.len() == v_store.len(), "k_store and v_store differ in size");
-    ensure!(k_store.len() % (num_heads * block) == 0, "stores are not [H_kv, P, page_size, d]");
+    ensure!(k_store.len().is_multiple_of(num_heads * block), "stores are not [H_kv, P, page_size, d]");
     let p = k_store.len() / (num_heads * block);
     ensure!(heads.len() == pages.len(), "heads and pages differ in length");
     ensure!(k_stage.len() == v_stage.len(), "k_stage and v_stage differ in size");
-    ensure!(k_stage.len() % block == 0, "staging buffers are not [R, page_size, d]");
+    ensure!(k_stage.len().is_multiple_of(block), "staging buffers are not [R, page_size, d]");
     ensure!(
         k_stage.len() / block >= pages.len(),
         "staging buffers hold {} pages, {} requested",
@@ -198,81 +200,4 @@ pub fn gather_pages<T: Copy + Send + Sync>(
         });
     }
     Ok(())
-}
-
-/// Where one layer's device tokens of one (sequence, KV head) live: `pool_slots` pages of
-/// `page_size` tokens, then `sink_cap` sink slots, then `win_cap` window slots.
-#[derive(Clone, Copy, Debug)]
-pub struct DeviceLayout {
-    pub pool_slots: usize,
-    pub page_size: usize,
-    pub sink_cap: usize,
-    pub win_cap: usize,
-}
-
-impl DeviceLayout {
-    /// Token slots per (sequence, KV head).
-    pub fn tokens(&self) -> usize {
-        self.pool_slots * self.page_size + self.sink_cap + self.win_cap
-    }
-}
-
-/// Token lists of attention over the layer's buffer folded to pages of one token (FlashInfer
-/// decode, `python/icecache/attend/flashinfer.py`): request `r = b·H + h` reads sequence `b`'s
-/// `sink_len[b]` sink tokens, the first `page_len[b, h, j]` tokens of each selected page (pool
-/// slot `table[b, h, j]`, -1 for none), then its `win_len[b]` window tokens; token `t` of request
-/// `r` is folded index `r·T + t` (`T` = [`DeviceLayout::tokens`]). `table` and `page_len` are
-/// `[B, H, M]`. Returns `(indptr [B·H + 1], indices)`: request `r` reads
-/// `indices[indptr[r]..indptr[r + 1]]`.
-pub fn fold_token_lists(
-    table: &[i32],
-    page_len: &[i32],
-    sink_len: &[i32],
-    win_len: &[i32],
-    heads: usize,
-    layout: DeviceLayout,
-) -> Result<(Vec<i32>, Vec<i32>)> {
-    let batch = sink_len.len();
-    ensure!(batch >= 1 && heads >= 1, "fold_token_lists: empty batch or no heads");
-    ensure!(win_len.len() == batch, "win_len has {} sequences, sink_len {batch}", win_len.len());
-    ensure!(
-        table.len() == page_len.len() && table.len() % (batch * heads) == 0,
-        "table and page_len must both be [B, H, M] with B = {batch}, H = {heads}"
-    );
-    let per_request = layout.tokens();
-    ensure!(
-        batch * heads * per_request <= i32::MAX as usize,
-        "the layer's buffer has too many tokens for int32 indices"
-    );
-    for (&s, &w) in sink_len.iter().zip(win_len) {
-        ensure!(s >= 0 && s as usize <= layout.sink_cap, "sink_len {s} outside 0..={}", layout.sink_cap);
-        ensure!(w >= 0 && w as usize <= layout.win_cap, "win_len {w} outside 0..={}", layout.win_cap);
-    }
-    for (&slot, &len) in table.iter().zip(page_len) {
-        ensure!(slot >= -1 && slot < layout.pool_slots as i32, "pool slot {slot} outside -1..{}", layout.pool_slots);
-        ensure!(len >= 0 && len as usize <= layout.page_size, "page length {len} outside 0..={}", layout.page_size);
-    }
-    let m = table.len() / (batch * heads);
-    let (page, sink_at) = (layout.page_size as i32, (layout.pool_slots * layout.page_size) as i32);
-    let mut indptr = Vec::with_capacity(batch * heads + 1);
-    indptr.push(0);
-    let mut indices = Vec::new();
-    for b in 0..batch {
-        for h in 0..heads {
-            let r = b * heads + h;
-            let base = (r * per_request) as i32;
-            let sink = base + sink_at;
-            indices.extend(sink..sink + sink_len[b]);
-            for j in r * m..(r + 1) * m {
-                if table[j] >= 0 {
-                    let first = base + table[j] * page;
-                    indices.extend(first..first + page_len[j]);
-                }
-            }
-            let window = sink + layout.sink_cap as i32;
-            indices.extend(window..window + win_len[b]);
-            indptr.push(indices.len() as i32);
-        }
-    }
-    Ok((indptr, indices))
 }

@@ -200,8 +200,8 @@ pub fn dot_cross(dim: usize, a: &[f32], ia: &[u32], b: &[f32], out: &mut [f32]) 
                 for j in (0..nb4).step_by(4) {
                     orow[j..j + 4].copy_from_slice(&dot4(arow(i), b4(j)));
                 }
-                for j in nb4..nb {
-                    orow[j] = dot4(arow(i), [brow(j); 4])[0];
+                for (j, o) in orow.iter_mut().enumerate().skip(nb4) {
+                    *o = dot4(arow(i), [brow(j); 4])[0];
                 }
             }
         }
@@ -268,6 +268,13 @@ mod vnni {
 
     /// AVX-512 VNNI: `vpdpbusd` multiplies unsigned by signed bytes, so the query is biased by
     /// +128 into u8 and `128 · Σ row` (a second `vpdpbusd` with a constant 128) is subtracted.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must support AVX-512F, AVX-512BW and AVX-512 VNNI (check with
+    /// `is_x86_feature_detected!`), and `q.len()` must be in `1..=MAX_DIM` (the query is held in
+    /// `MAX_DIM / 64` registers). Every row of `rows` is `q.len()` bytes, and loads are masked
+    /// to that length, so they never read past `q` or a row.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn dot_rows_i8(q: &[i8], rows: &[i8], out: &mut [i32]) {
         let dim = q.len();
@@ -277,21 +284,21 @@ mod vnni {
         let bias = _mm512_set1_epi8(-128);
         let c128 = _mm512_set1_epi8(-128); // as u8: 128
         let mut qu = [_mm512_setzero_si512(); MAX_DIM / 64];
-        for c in 0..chunks {
+        for (c, quc) in qu[..chunks].iter_mut().enumerate() {
             let m = if c + 1 == chunks { tail_mask } else { !0 };
             let v = _mm512_maskz_loadu_epi8(m, q.as_ptr().add(c * 64));
             // Bias only the valid bytes so padding contributes nothing.
-            qu[c] = _mm512_mask_xor_epi32(v, !0, v, _mm512_maskz_mov_epi8(m, bias));
+            *quc = _mm512_mask_xor_epi32(v, !0, v, _mm512_maskz_mov_epi8(m, bias));
         }
         let c128_tail = _mm512_maskz_mov_epi8(tail_mask, c128);
         for (o, r) in out.iter_mut().zip(rows.chunks_exact(dim)) {
             let mut acc = _mm512_setzero_si512();
             let mut corr = _mm512_setzero_si512();
-            for c in 0..chunks {
+            for (c, &quc) in qu[..chunks].iter().enumerate() {
                 let last = c + 1 == chunks;
                 let m = if last { tail_mask } else { !0 };
                 let v = _mm512_maskz_loadu_epi8(m, r.as_ptr().add(c * 64));
-                acc = _mm512_dpbusd_epi32(acc, qu[c], v);
+                acc = _mm512_dpbusd_epi32(acc, quc, v);
                 corr = _mm512_dpbusd_epi32(corr, if last { c128_tail } else { c128 }, v);
             }
             *o = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc, corr));

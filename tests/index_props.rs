@@ -251,7 +251,7 @@ fn pdci_cells_find_neighbours() {
     let (ei, _) = idx.query(KeyData::F32(&q), 10, None, true).unwrap();
     let (ai, _) = idx.query(KeyData::F32(&q), 10, Some(4.0), false).unwrap();
     let hits =
-        ai.iter().zip(ei.chunks(10).flat_map(|c| std::iter::repeat(c).take(10))).filter(|(a, e)| e.contains(a)).count();
+        ai.iter().zip(ei.chunks(10).flat_map(|c| std::iter::repeat_n(c, 10))).filter(|(a, e)| e.contains(a)).count();
     assert!(hits as f64 / 500.0 >= 0.8, "P-DCI recall@10 {}", hits as f64 / 500.0);
 }
 

@@ -192,8 +192,8 @@ fn inserts_keep_every_invariant() {
                     assert!(ch.contains(&new.0), "token {t} moved to unreported page {}", new.0);
                 }
             }
-            for t in pos..pos + m {
-                assert!(ch.contains(&after[t].0));
+            for new in &after[pos..pos + m] {
+                assert!(ch.contains(&new.0));
             }
         }
         pos += m;
@@ -255,9 +255,9 @@ fn residency_and_gather() {
         assert_eq!(&vs[i * s * d..(i + 1) * s * d], &vstore[src..src + s * d]);
     }
     // The table places every selected page in a distinct slot of its head.
-    for hh in 0..h {
-        let slots: HashSet<i32> = plan.table[hh * 3..hh * 3 + counts[hh] as usize].iter().copied().collect();
-        assert_eq!(slots.len(), counts[hh] as usize);
+    for (hh, &count) in counts.iter().enumerate() {
+        let slots: HashSet<i32> = plan.table[hh * 3..hh * 3 + count as usize].iter().copied().collect();
+        assert_eq!(slots.len(), count as usize);
         assert!(slots.iter().all(|&x| (0..3).contains(&x)));
     }
     // Same selection again: nothing to load. Invalidated pages reload into the same slot.

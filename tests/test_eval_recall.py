@@ -27,7 +27,7 @@ def synth_docs(seed=0, *, n_docs=2, T=320, H_kv=2, G=3, D=16, n_layers=2, nq=6):
     for _ in range(n_docs):
         layers = {}
         pos = np.unique(np.linspace(T - 40, T - 1, nq).round().astype(int))
-        for l in range(n_layers):
+        for layer in range(n_layers):
             centres = rng.standard_normal((H_kv, 12, D)) * 1.5
             lab = rng.integers(0, 12, (H_kv, T))
             k = np.take_along_axis(centres, lab[..., None], axis=1) + 0.5 * rng.standard_normal((H_kv, T, D))
@@ -35,7 +35,7 @@ def synth_docs(seed=0, *, n_docs=2, T=320, H_kv=2, G=3, D=16, n_layers=2, nq=6):
             tgt = rng.integers(0, 12, (H_kv, G, len(pos)))
             q = np.take_along_axis(centres[:, None], tgt[..., None], axis=2) * 1.2
             q = q + 0.3 * rng.standard_normal(q.shape)
-            layers[l] = (
+            layers[layer] = (
                 q.reshape(H_kv * G, len(pos), D).astype(np.float32),
                 k.astype(np.float16),
                 v.astype(np.float16),

@@ -1,6 +1,7 @@
 """The IceCache runtime on a GPU: device sinks, windows and page pools, CPU page stores, pinned
-double-buffered staging for the bulk host-to-device copy, the prefill pipeline's side stream. Skipped without CUDA (CI has
-no GPU); run on a GPU machine with ``PYTHONPATH=python pytest tests/test_runtime_cuda.py``."""
+double-buffered staging for the bulk host-to-device copy, the prefill pipeline's side stream.
+Skipped without CUDA (CI has no GPU); run on a GPU machine with
+``PYTHONPATH=python pytest tests/test_runtime_cuda.py``."""
 
 import pytest
 

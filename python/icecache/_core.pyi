@@ -1,16 +1,33 @@
-"""Type stubs for the Rust extension ``icecache._core``."""
+"""Type stubs for the Rust extension ``icecache._core``.
+
+The classes are PyO3 classes: constructed through ``__new__`` and not subclassable (``final``).
+"""
 
 from os import PathLike
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, final
+
+__all__ = [
+    "__version__",
+    "IndexFileError",
+    "DCIIndex",
+    "HeadForest",
+    "ResidentPages",
+    "gather_pages",
+    "LookAhead",
+    "LookAheadLayer",
+    "LookAheadOutcome",
+]
 
 __version__: str
 
 class IndexFileError(ValueError):
     """A save file is truncated, corrupted, or from an incompatible version."""
 
+@final
 class DCIIndex:
     """Approximate nearest-neighbour index: a multi-level Dynamic Continuous Indexing (M-DCI) tree.
 
@@ -35,18 +52,18 @@ class DCIIndex:
         effort: default query effort (see ``query``).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         dim: int,
         metric: str = "ip",
         *,
-        num_simple: int = ...,
-        num_composite: int = ...,
-        promotion: Union[float, Sequence[float]] = ...,
+        num_simple: Optional[int] = None,
+        num_composite: Optional[int] = None,
+        promotion: Union[float, Sequence[float], None] = None,
         seed: Optional[int] = None,
         threads: Optional[int] = None,
         effort: float = 1.0,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def dim(self) -> int: ...
     @property
@@ -75,6 +92,7 @@ class DCIIndex:
     def load(path: Union[str, PathLike[str]], threads: Optional[int] = None) -> "DCIIndex": ...
     def stats(self) -> dict[str, Any]: ...
 
+@final
 class HeadForest:
     """One M-DCI tree per KV head of one layer of one sequence, with the tree's leaf cells laid
     out as **semantic pages**: runs of at most ``page_size`` tokens whose keys are close (each
@@ -92,8 +110,8 @@ class HeadForest:
             about 100 keys.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         keys: npt.ArrayLike,
         *,
         page_size: int = 16,
@@ -103,7 +121,7 @@ class HeadForest:
         num_composite: Optional[int] = None,
         promotion: Union[float, Sequence[float], None] = None,
         effort: float = 1.0,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def num_heads(self) -> int: ...
     @property
@@ -133,12 +151,16 @@ class HeadForest:
         scale: Optional[float] = None,
         effort: Optional[float] = None,
         exact: bool = False,
+        successors: int = 0,
     ) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
         """Pages for one decode step: ``queries`` is ``[H_q, d]`` (``H_q`` a multiple of ``H_kv``;
         query head ``j`` belongs to KV head ``j // (H_q // H_kv)``). Returns ``(pages, counts)``:
         ``pages[h, :counts[h]]`` are KV head ``h``'s pages ranked by the group's attention mass
         (each query head's softmax with ``scale``, default ``1/sqrt(d)``, over the keys its search
-        scores, summed over the group); the rest is -1. ``exact`` scores every key exactly."""
+        scores, summed over the group); the rest is -1. ``exact`` scores every key exactly.
+        ``successors``: the weight of each query head's ``successors`` heaviest keys also goes to
+        the page holding the next position (for selecting a step ahead: a head that copies text
+        attends one token further on at the next step)."""
     def insert(
         self, keys: npt.ArrayLike, values: npt.ArrayLike, k_store: npt.ArrayLike, v_store: npt.ArrayLike
     ) -> List[npt.NDArray[np.int32]]:
@@ -146,13 +168,14 @@ class HeadForest:
         split moves) into the stores, and returns per head the pages whose contents changed.
         The stores need ``P >= max_pages() + m``."""
 
+@final
 class ResidentPages:
     """Which pages of each KV head are on the device, and in which device page slot.
 
     ``capacity`` device slots per head. ``plan`` maps a step's selection to device slots, reusing
     resident unchanged pages and evicting the least recently used ones."""
 
-    def __init__(self, num_heads: int, capacity: int) -> None: ...
+    def __new__(cls, num_heads: int, capacity: int) -> Self: ...
     def invalidate(self, head: int, pages: npt.ArrayLike) -> None:
         """Marks pages whose contents changed (e.g. from ``HeadForest.insert``) as stale."""
     def plan(
@@ -162,6 +185,8 @@ class ResidentPages:
         ``(load_heads, load_pages, load_slots, table)``: the pages to load (sorted by source
         address), the device slot each goes to, and ``table [H_kv, max_pages]``, the device slot of
         every selected page (-1 past ``counts``)."""
+    def slot_pages(self) -> npt.NDArray[np.int32]:
+        """``[H_kv, capacity]``: the page in each device slot, -1 for an empty one."""
 
 def gather_pages(
     k_store: npt.ArrayLike,
@@ -174,33 +199,116 @@ def gather_pages(
     """Copies page ``pages[i]`` of head ``heads[i]`` from the stores (``[H_kv, P, S, d]``) into row
     ``i`` of the staging buffers (``[R, S, d]``, same dtype, ``R >= len(pages)``), in parallel."""
 
-def fold_token_lists(
-    table: npt.ArrayLike,
-    page_len: npt.ArrayLike,
-    sink_len: npt.ArrayLike,
-    win_len: npt.ArrayLike,
-    *,
-    pool_slots: int,
-    page_size: int,
-    sink_cap: int,
-    win_cap: int,
-) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-    """Token lists of decode attention over a layer's device buffer folded to one-token pages.
+@final
+class LookAhead:
+    """The look-ahead worker: one native dispatcher thread and a pool of ``threads`` threads
+    (``None``: one per core) that run :class:`LookAheadLayer` jobs without the GIL. A job waits
+    until the device has written its step number into the job's flag (behind the step's
+    queries), so queued jobs start while Python and the device carry on."""
 
-    The buffer holds, per (sequence ``b``, KV head ``h``), ``T = pool_slots * page_size +
-    sink_cap + win_cap`` token slots: the page pool, then the sink, then the window. Request
-    ``r = b * H + h`` reads the ``sink_len[b]`` sink tokens, the first ``page_len[b, h, j]``
-    tokens of each selected page (pool slot ``table[b, h, j]``, ``-1`` for none), then the
-    ``win_len[b]`` window tokens; token ``t`` of request ``r`` is folded index ``r * T + t``.
+    def __new__(cls, threads: Optional[int] = None) -> Self: ...
+    def cancel(self) -> None:
+        """Makes every queued job that has not started yet finish as cancelled (a decode step
+        was abandoned, so its flags will never come)."""
+
+@final
+class LookAheadOutcome:
+    """What a finished job did and where it left its results in the layer's staging buffer.
+
+    Staging layout: int32 metadata ``load_bh [loads] | load_slot [loads] | load_len [loads] |
+    clear_bh [clears] | clear_slot [clears] | table [B*H_kv*width] | table_len [B*H_kv*width]``
+    (``meta_len`` entries; ``bh = b * H_kv + head``), then from byte ``rows_at`` the K rows
+    ``[loads, page_size, d]`` and after them the V rows, up to byte ``end``. ``table`` holds the
+    device slot of each selected page in the host's rank order (-1 past the count), ``table_len``
+    its valid tokens; cleared slots lost their page (it changed and was not selected again).
+    """
+
+    loads: int
+    clears: int
+    width: int
+    meta_len: int
+    rows_at: int
+    end: int
+    #: Pages selected, over sequences and KV heads.
+    selected: int
+    #: Seconds the job waited for its flag (and leader), inserted, selected and planned, gathered.
+    wait_s: float
+    insert_s: float
+    select_s: float
+    gather_s: float
+
+@final
+class LookAheadLayer:
+    """One IceCache layer's host jobs: insert the tokens its window flushed, select pages for the
+    step's queries, plan their device slots (:class:`ResidentPages`), gather the missing pages and
+    the metadata into ``staging`` (:class:`LookAheadOutcome`).
+
+    The arrays are lent, not copied: ``queries`` ``[B, H_q, d]`` float32, ``flag`` ``[1]`` int64,
+    ``flush_k``/``flush_v`` ``[B, kv_heads, page_size, d]`` (the stores' dtype: float32, float16
+    or bfloat16 as uint16), ``staging`` uint8 of :meth:`staging_bytes` bytes; every job keeps a
+    reference to each until it has finished. The caller must not touch them, nor a lane's
+    stores and histories, while a job runs (:meth:`done`, :meth:`wait`).
+
+    A layer with a ``leader`` reuses that layer's page layout: its ``n``-th job waits for the
+    leader's ``n``-th, appends its flushed tokens to its history, rewrites the pages the leader's
+    insert changed and gathers the same pages from its own stores.
 
     Args:
-        table, page_len: ``[B, H, M]`` integers.
-        sink_len, win_len: ``[B]`` integers.
-
-    Returns:
-        ``(indptr [B*H + 1], indices [indptr[-1]])``, int32.
-
-    Raises:
-        ValueError: mismatched shapes, a slot outside ``-1..pool_slots``, a length outside
-            ``0..=page_size`` (``sink_cap``, ``win_cap``), or more than 2**31 token slots.
+        worker: the :class:`LookAhead` that runs the jobs.
+        max_pages: pages selected per (sequence, KV head).
+        scale, effort, successors: as for :meth:`HeadForest.select`.
     """
+
+    def __new__(
+        cls,
+        worker: LookAhead,
+        queries: npt.NDArray[np.float32],
+        flag: npt.NDArray[np.int64],
+        flush_k: npt.NDArray[Any],
+        flush_v: npt.NDArray[Any],
+        staging: npt.NDArray[np.uint8],
+        *,
+        kv_heads: int,
+        page_size: int,
+        max_pages: int,
+        scale: float,
+        effort: float,
+        successors: int = 0,
+        leader: Optional[LookAheadLayer] = None,
+    ) -> Self: ...
+    def set_lane(
+        self,
+        b: int,
+        k_store: npt.NDArray[Any],
+        v_store: npt.NDArray[Any],
+        *,
+        forest: Optional[HeadForest] = None,
+        resident: Optional[ResidentPages] = None,
+        k_history: Optional[npt.NDArray[Any]] = None,
+        v_history: Optional[npt.NDArray[Any]] = None,
+    ) -> None:
+        """Lends sequence ``b``'s page stores ``[kv_heads, P, page_size, d]``, and its index
+        (``forest``, ``None`` while nothing is offloaded, and ``resident``; leading layers) or its
+        histories ``[kv_heads, n, d]`` (layers with a leader). Call again after reallocating any
+        of them; not while a job runs (``RuntimeError``)."""
+    def start(
+        self, flushed: Sequence[int], *, step: Optional[int] = None, history_lens: Optional[Sequence[int]] = None
+    ) -> None:
+        """Starts the job for one step: ``flushed[b]`` tokens of sequence ``b`` wait in the flush
+        buffers for the index. ``step``: queue the job until ``flag[0] == step``; ``None``: run
+        it now, on this thread (without the GIL). ``history_lens`` (layers with a leader): each
+        history's length once the flushed tokens are appended. Raises ``RuntimeError`` while the
+        previous job runs."""
+    def done(self) -> bool:
+        """Whether the current job has finished (``True`` when there is none)."""
+    def wait(self) -> LookAheadOutcome:
+        """Blocks (without the GIL) until the current job has finished; its outcome. Raises its
+        error (``RuntimeError``) as often as it is asked."""
+    def clear(self) -> None:
+        """Forgets the current job and every lane (after the job finished or was cancelled)."""
+    @staticmethod
+    def staging_bytes(
+        *, batch: int, kv_heads: int, dim: int, page_size: int, itemsize: int, max_pages: int, capacity: int
+    ) -> int:
+        """Largest staging a job of this shape may need: ``capacity`` device page slots per
+        (sequence, KV head), ``max_pages`` selected."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 _registered: set = set()
 _register_lock = threading.Lock()
@@ -45,3 +46,34 @@ def atomic_file(target: Path) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(part)
         raise
+
+
+def progress_bar(iterable: Any = None, *, total: Optional[int] = None, desc: str = "", enable: bool = True) -> Any:
+    """A tqdm progress bar on stderr (or the bare iterable when disabled or tqdm is missing)."""
+    if enable:
+        try:
+            from tqdm.auto import tqdm
+
+            return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=True)
+        except ImportError:  # pragma: no cover - tqdm is in the model extra
+            pass
+    return _NoBar(iterable)
+
+
+class _NoBar:
+    """What :func:`progress_bar` returns without a bar: iterates, and ignores the bar's calls."""
+
+    def __init__(self, iterable: Optional[Iterable[Any]]):
+        self._it = iterable
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._it if self._it is not None else ())
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

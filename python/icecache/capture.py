@@ -27,10 +27,13 @@ import numpy as np
 
 from icecache._util import register_attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "capture_qkv", "recording"]
+__all__ = ["ATTN_IMPLEMENTATION", "QKV", "capture_qkv", "recording"]
 
 #: Name under which the recording attention function is registered with transformers.
 ATTN_IMPLEMENTATION = "icecache_capture"
+
+#: What one attention layer saw: ``(q [H_q, T, D], k [H_kv, T, D], v [H_kv, T, D])``.
+QKV = Tuple[np.ndarray, np.ndarray, np.ndarray]
 
 # The recorder of the capture in progress. Module-level because transformers looks the
 # attention function up by name; a capture is not reentrant (one model forward at a time).
@@ -47,7 +50,7 @@ class _Recorder:
     def __init__(self, layers: Optional[Iterable[int]], stop_early: bool = False):
         self.layers = None if layers is None else {int(i) for i in layers}
         self.stop_early = stop_early and self.layers is not None
-        self.data: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.data: Dict[int, QKV] = {}
         self._order: Dict[int, int] = {}  # id(module) -> index, for modules without layer_idx
 
     def record(self, module: Any, query: Any, key: Any, value: Any) -> None:
@@ -60,8 +63,9 @@ class _Recorder:
         if query.shape[0] != 1:
             raise ValueError(f"capture needs batch size 1, got {query.shape[0]}")
         # [B, H, T, D] -> [H, T, D]; copy so that later in-place ops on the tensor can't touch it.
-        self.data[idx] = tuple(t[0].detach().float().cpu().numpy().copy() for t in (query, key, value))
-        if self.stop_early and self.layers <= self.data.keys():
+        q, k, v = (t[0].detach().float().cpu().numpy().copy() for t in (query, key, value))
+        self.data[idx] = (q, k, v)
+        if self.stop_early and self.layers is not None and self.layers <= self.data.keys():
             raise _StopForward
 
 
@@ -85,7 +89,7 @@ def recording(
     layers: Optional[Iterable[int]] = None,
     *,
     _stop_early: bool = False,
-) -> Iterator[Dict[int, Tuple[np.ndarray, ...]]]:
+) -> Iterator[Dict[int, QKV]]:
     """Context manager: while active, every forward of ``model`` records q, k, v.
 
     Yields a dict that fills as the model runs: ``{layer_idx: (q, k, v)}`` with ``q`` of shape
@@ -118,7 +122,7 @@ def recording(
 
 def capture_qkv(
     model: Any, input_ids: Any, layers: Optional[Iterable[int]] = None, *, stop_early: bool = True
-) -> Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+) -> Dict[int, QKV]:
     """Run one forward of ``model`` on ``input_ids`` and return what each attention layer saw.
 
     Only the last position's logits are computed (``logits_to_keep=1``: full logits of a long

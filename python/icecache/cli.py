@@ -4,7 +4,8 @@ Subcommands:
 
 * ``icecache demo``: long-context retrieval with a real model on the CPU (SmolLM2-135M by default,
   Gemma-3-270M with ``--model gemma3``), full cache vs
-  IceCache at several budgets (see :mod:`icecache.demo`).
+  IceCache at several budgets (see :mod:`icecache.demo`); ``icecache demo --tp 2``: the same
+  comparison under tensor parallelism, on 2 CPU processes (see :mod:`icecache.demo_tp`).
 * ``icecache eval recall``: attention-mass recall of KV selections (IceCache, Quest,
   StreamingLLM, an oracle) on real SmolLM2-135M data; prints a table, saves a markdown table,
   a JSON summary and a PNG plot (see :mod:`icecache.eval.recall`).
@@ -18,14 +19,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Set
 
 __all__ = ["build_parser", "main"]
 
 
 def _layer_list(tokens: Sequence[str]) -> List[int]:
     """``["2-5", "9"]`` or ``["2", "3"]`` or ``["2,3"]`` -> sorted distinct ints."""
-    out = set()
+    out: Set[int] = set()
     for tok in tokens:
         for part in str(tok).split(","):
             part = part.strip()

@@ -279,7 +279,12 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed arguments (see :func:`add_arguments`). Returns 0 when the full
-    cache answers correctly (the IceCache results are reported, not asserted), else 1."""
+    cache answers correctly (the IceCache results are reported, not asserted), else 1. With
+    ``--tp N`` (N > 1), runs the tensor-parallel demo instead (:func:`icecache.demo_tp.run`)."""
+    if getattr(args, "tp", 1) > 1:
+        from icecache import demo_tp
+
+        return demo_tp.run(args)
     import torch
 
     from icecache import models
@@ -341,7 +346,14 @@ def run(args: argparse.Namespace) -> int:
         name = f"IceCache {config.budget}"
         stats = cache.stats
         answer, tps = _generate(
-            model, tokenizer, prompt, cache, args.new_tokens, name, args.quiet, untimed_s=lambda: stats.recall_s
+            model,
+            tokenizer,
+            prompt,
+            cache,
+            args.new_tokens,
+            name,
+            args.quiet,
+            untimed_s=lambda stats=stats: stats.recall_s,
         )
         runs.append(Run(name, answer, prompt.is_correct(answer), cache.nbytes()["device"], index_s, tps, stats.recall))
         say(f"{name}: {answer!r}")
@@ -425,6 +437,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reuse", type=int, default=1, help="layer-reuse group size (default 1: off)")
     parser.add_argument("--seed", type=int, default=0, help="picks the document (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism on this many CPU processes (gloo): a random-weight Llama with 4 KV "
+        "heads split between them, full cache vs IceCache (icecache.demo_tp; --model, --task, --depth, "
+        "--needle, --prefill-chunk and --threads do not apply; default 1: the single-process demo)",
+    )
     parser.add_argument("--no-recall", action="store_true", help="skip the attention recall measurement")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or messages on stderr")
 

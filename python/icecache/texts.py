@@ -21,7 +21,7 @@ import inspect
 import random
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Union
 
 __all__ = ["available_texts", "load_text", "documents", "rebuild_from_janeaustenr"]
 
@@ -75,6 +75,7 @@ def _encoder(tokenizer: Any) -> Callable[[str], List[int]]:
     """Turn a tokenizer into ``str -> list[int]`` without special tokens (no BOS/EOS)."""
     enc = getattr(tokenizer, "encode", None)
     if callable(enc):
+        params: Mapping[str, inspect.Parameter]
         try:
             params = inspect.signature(enc).parameters
         except (TypeError, ValueError):

@@ -16,9 +16,17 @@
 //! query side ranks by the raw `q · k`, so returned rankings never depend on `c`; `c` only shapes
 //! the tree. When a key arrives with `|k| > c`, `c` grows with headroom and every derived value
 //! that depends on it (route extras, P-DCI projections) is recomputed at once.
+//!
+//! Modules: `cells` (tiers of cells, the storage), `descent` (the beam descent), `rank` (packed
+//! scores, best-k), `tree` (build, insert, delete), `search` (queries), `pdci` (P-DCI inside a
+//! large leaf cell), `persist` (save files, invariant checks). `tree` and `search` share
+//! `cells`, `descent` and `rank` and do not use each other.
 
+mod cells;
+mod descent;
 mod pdci;
 mod persist;
+mod rank;
 mod search;
 mod tree;
 
@@ -32,9 +40,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ensure, Error, Result};
 use crate::input::{check_rows, KeyData};
+use cells::{Tier, NONE};
 pub use search::Scratch;
 pub(crate) use search::Scored;
-use tree::{Tier, NONE};
 
 /// Largest supported key dimension.
 pub const MAX_DIM: usize = 4096;

@@ -9,7 +9,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use super::tree::Cell;
+use super::cells::Cell;
 use super::DciIndex;
 
 /// Reusable buffers of one P-DCI search.
@@ -44,9 +44,8 @@ impl DciIndex {
             // Entries: (gap bits, direction, index into the sorted array). Gaps are
             // non-negative, so their bit patterns order like the floats.
             let gap = |arr: &[(f32, u32)], i: usize, q: f32| (arr[i].0 - q).abs().to_bits();
-            for j in l * m..(l + 1) * m {
+            for (j, &q) in qproj.iter().enumerate().take((l + 1) * m).skip(l * m) {
                 let arr = &cell.sorted[j];
-                let q = qproj[j];
                 let at = arr.partition_point(|e| e.0 < q);
                 // Two frontiers per simple index, walking left and right from the query;
                 // `encode` packs an entry's index with the side it walks.

@@ -8,7 +8,7 @@ use std::fs;
 use std::io::Write;
 use std::path::Path;
 
-use super::tree::NONE;
+use super::cells::NONE;
 use super::{DciIndex, FREE};
 use crate::error::{Error, Result};
 
@@ -206,9 +206,9 @@ impl DciIndex {
                 }
                 let n = c.members.len() as f32;
                 let r = tier.route(ci as u32, d);
-                for j in 0..d {
+                for (j, &rj) in r.iter().enumerate() {
                     let mean = c.members.iter().map(|&m| self.key(m)[j]).sum::<f32>() / n;
-                    if (mean - r[j]).abs() > 1e-3 * (1.0 + mean.abs()) {
+                    if (mean - rj).abs() > 1e-3 * (1.0 + mean.abs()) {
                         return Err(format!("route of cell {ci} in tier {t} is stale"));
                     }
                 }

@@ -3,8 +3,9 @@
 
 use rayon::prelude::*;
 
+use super::descent::Descent;
 use super::pdci::PdciScratch;
-use super::tree::Descent;
+use super::rank::{pack, truncate_best, unpack};
 use super::{DciIndex, Metric, FREE};
 use crate::simd;
 
@@ -38,28 +39,6 @@ pub struct Scratch {
     /// Candidates packed by `pack`: larger is better for both metrics.
     cand: Vec<u64>,
     scan: Vec<f32>,
-}
-
-/// Packs a rank score (larger is better) and a slot into one integer that orders best first
-/// under `>` (ties: lower slot first), so selection runs on plain integers.
-pub(super) fn pack(score: f32, slot: u32) -> u64 {
-    let b = score.to_bits();
-    let ordered = if b >> 31 == 1 { !b } else { b | 1 << 31 };
-    (ordered as u64) << 32 | (!slot) as u64
-}
-
-pub(super) fn unpack(p: u64) -> (f32, u32) {
-    let ordered = (p >> 32) as u32;
-    let b = if ordered >> 31 == 1 { ordered & !(1 << 31) } else { !ordered };
-    (f32::from_bits(b), !(p as u32))
-}
-
-/// Keeps the `n` largest of `v` (unordered).
-fn keep_best<T: Copy + PartialOrd>(v: &mut Vec<T>, n: usize) {
-    if v.len() > n {
-        v.select_nth_unstable_by(n - 1, |a, b| b.partial_cmp(a).unwrap());
-        v.truncate(n);
-    }
 }
 
 impl DciIndex {
@@ -152,7 +131,7 @@ impl DciIndex {
         let pool = (self.cfg.rerank as f32 * k as f32 * effort.max(1.0)).ceil() as usize;
         self.first_pass(q, pool, effort, s);
         // Re-rank the best of the first pass exactly.
-        keep_best(&mut s.cand, pool);
+        truncate_best(&mut s.cand, pool);
         for e in s.cand.iter_mut() {
             let slot = unpack(*e).1;
             *e = pack(self.exact_rank(q, slot), slot);
@@ -268,7 +247,7 @@ impl DciIndex {
 
     /// Writes the best `k` of `s.cand` (exact rank scores), best first.
     fn emit(&self, k: usize, s: &mut Scratch, ids: &mut [i64], scores: &mut [f32]) {
-        keep_best(&mut s.cand, k);
+        truncate_best(&mut s.cand, k);
         s.cand.sort_unstable_by(|a, b| b.cmp(a));
         for ((oi, os), &p) in ids.iter_mut().zip(scores.iter_mut()).zip(&s.cand) {
             let (r, slot) = unpack(p);
@@ -277,23 +256,6 @@ impl DciIndex {
                 Metric::InnerProduct => r,
                 Metric::L2 => -r,
             };
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{pack, unpack};
-
-    #[test]
-    fn pack_orders_like_scores_then_slots() {
-        let vals = [f32::NEG_INFINITY, -1e30, -2.5, -0.0, 0.0, 1e-30, 3.0, 1e30, f32::INFINITY];
-        for w in vals.windows(2) {
-            assert!(pack(w[0], 0) <= pack(w[1], 0), "{} vs {}", w[0], w[1]);
-        }
-        assert!(pack(1.0, 3) > pack(1.0, 4));
-        for &v in &vals {
-            assert_eq!(unpack(pack(v, 77)), (v, 77));
         }
     }
 }

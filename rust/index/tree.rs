@@ -1,14 +1,13 @@
 //! The M-DCI tree: tiers of cells, bulk build, incremental insert and delete.
 
 use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
 
-use super::search::{pack, unpack};
+use super::cells::{Cell, Tier, NONE};
+use super::descent::Descent;
+use super::rank::{insert_best, pack, unpack};
 use super::{DciIndex, Metric, C_HEADROOM, FREE};
 use crate::simd;
 
-/// "No cell / no slot".
-pub(super) const NONE: u32 = u32::MAX;
 /// Members a build descent keeps in view at each tier above the target (its beam).
 const BUILD_COVER: usize = 32;
 /// The same for single inserts and removals: half the beam, for speed; one point placed a
@@ -18,106 +17,9 @@ const INSERT_COVER: usize = 16;
 const STEAL_CELLS: usize = 4;
 /// Cells the build's refinement round chooses among for each point.
 const REFINE_CHOICES: usize = 4;
-/// Most cells `descend` picks one scan at a time instead of ordering them.
-const SCAN_PICKS: usize = 8;
 /// Points per task of the build's grouped scoring: enough to share tiles (each chosen cell
 /// gets dozens), few enough that their keys stay in cache between descent and scoring.
 const BUILD_CHUNK: usize = 512;
-
-/// One cell: a parent (`owner`) and the points assigned to it, with their centroid kept as sums.
-#[derive(Clone, Default, Serialize, Deserialize)]
-pub(super) struct Cell {
-    pub live: bool,
-    /// The parent point; `NONE` for the root cell.
-    pub owner: u32,
-    /// Member slots; the owner is one of them (the tree is nested).
-    pub members: Vec<u32>,
-    /// Sum of member keys and of their transform extras, in f64 so add/remove never drifts.
-    pub sum: Vec<f64>,
-    pub sum_extra: f64,
-    /// Tier 0 only: int8 codes of the members (row `i` = `members[i]`) and their scales.
-    pub codes: Vec<i8>,
-    pub scales: Vec<f32>,
-    /// Tier 0 only: per P-DCI direction, `(projection, slot)` sorted by projection.
-    pub sorted: Vec<Vec<(f32, u32)>>,
-    /// Tier 0 only: the members' tags (`DciIndex::tags`), in member order.
-    #[serde(skip)]
-    pub tags: Vec<u32>,
-}
-
-/// All cells of one tier, plus the per-slot maps into them.
-#[derive(Clone, Default, Serialize, Deserialize)]
-pub(super) struct Tier {
-    pub cells: Vec<Cell>,
-    pub free_cells: Vec<u32>,
-    /// Per slot: the cell it is a member of in this tier (`NONE` if its level is below).
-    pub member_cell: Vec<u32>,
-    /// Per slot: its index in that cell's `members`.
-    pub member_pos: Vec<u32>,
-    /// Per slot: the cell of this tier it owns (`NONE` unless its level is above this tier).
-    pub owned_cell: Vec<u32>,
-    /// Per cell: route = centroid of members (`dim` floats), its squared norm, its mean extra.
-    pub routes: Vec<f32>,
-    pub route_sq: Vec<f32>,
-    pub route_extra: Vec<f32>,
-    /// Members over all live cells (= points of level ≥ this tier).
-    pub num_members: usize,
-}
-
-impl Tier {
-    fn new(num_slots: usize) -> Tier {
-        Tier {
-            member_cell: vec![NONE; num_slots],
-            member_pos: vec![NONE; num_slots],
-            owned_cell: vec![NONE; num_slots],
-            ..Tier::default()
-        }
-    }
-
-    pub fn grow_slots(&mut self, num_slots: usize) {
-        self.member_cell.resize(num_slots, NONE);
-        self.member_pos.resize(num_slots, NONE);
-        self.owned_cell.resize(num_slots, NONE);
-    }
-
-    pub fn live_cells(&self) -> usize {
-        self.cells.len() - self.free_cells.len()
-    }
-
-    pub fn bytes(&self) -> usize {
-        let per_slot = (self.member_cell.len() + self.member_pos.len() + self.owned_cell.len()) * 4;
-        let routes = (self.routes.len() + self.route_sq.len() + self.route_extra.len()) * 4;
-        let cells: usize = self
-            .cells
-            .iter()
-            .map(|c| {
-                c.members.capacity() * 4
-                    + c.sum.capacity() * 8
-                    + c.codes.capacity()
-                    + c.scales.capacity() * 4
-                    + c.sorted.iter().map(|s| s.capacity() * 8).sum::<usize>()
-                    + c.tags.capacity() * 4
-                    + std::mem::size_of::<Cell>()
-            })
-            .sum();
-        per_slot + routes + cells
-    }
-
-    pub fn route(&self, cell: u32, dim: usize) -> &[f32] {
-        &self.routes[cell as usize * dim..(cell as usize + 1) * dim]
-    }
-}
-
-/// Reusable buffers of one descent.
-#[derive(Default)]
-pub(super) struct Descent {
-    chosen: Vec<u32>,
-    /// The cells of the tier being scored, and their scores.
-    cells: Vec<u32>,
-    scores: Vec<f32>,
-    /// The scored cells of the target tier after a descent.
-    pub cand: Vec<(f32, u32)>,
-}
 
 /// What a point's nearness to any route needs.
 #[derive(Clone, Copy)]
@@ -158,19 +60,6 @@ struct BuildScratch {
     pairs: Vec<u64>,
     slots: Vec<u32>,
     dots: Vec<f32>,
-}
-
-/// Inserts `x` into `best` (best first) if it beats the last; ties keep the earlier.
-fn keep_best(best: &mut [(f32, u32)], x: (f32, u32)) {
-    let Some(last) = best.len().checked_sub(1) else { return };
-    if x.0 > best[last].0 {
-        let mut j = last;
-        while j > 0 && x.0 > best[j - 1].0 {
-            best[j] = best[j - 1];
-            j -= 1;
-        }
-        best[j] = x;
-    }
 }
 
 impl DciIndex {
@@ -408,98 +297,7 @@ impl DciIndex {
         }
     }
 
-    // ---------------------------------------------------------------- descent
-
-    /// Scores the tier-`target` cells reachable from the root, top-down: at each tier above the
-    /// target, cells are taken in score order until their members number `cover(tier)`; the
-    /// cells those members own one tier down are scored next. `score(tier, cells, out)` writes
-    /// the scores of `cells` to `out`. Leaves the scored target-tier cells, unordered, in
-    /// `buf.cand`.
-    pub(super) fn descend(
-        &self,
-        target: usize,
-        cover: impl Fn(usize) -> usize,
-        score: impl Fn(usize, &[u32], &mut [f32]),
-        buf: &mut Descent,
-    ) {
-        buf.cand.clear();
-        let top = self.tiers.len() - 1;
-        if target == top {
-            let mut out = [0f32];
-            score(top, &[self.root], &mut out);
-            buf.cand.push((out[0], self.root));
-            return;
-        }
-        self.choose(target, &cover, &score, buf);
-        self.score_below(target + 1, &score, buf);
-    }
-
-    /// The steps of `descend` down to tier `target + 1` (`target` below the top): leaves in
-    /// `buf.chosen` the tier-`target + 1` cells whose members own the target-tier candidates.
-    fn choose(
-        &self,
-        target: usize,
-        cover: &impl Fn(usize) -> usize,
-        score: &impl Fn(usize, &[u32], &mut [f32]),
-        buf: &mut Descent,
-    ) {
-        buf.chosen.clear();
-        buf.chosen.push(self.root);
-        for t in (target + 2..self.tiers.len()).rev() {
-            self.score_below(t, score, buf);
-            let below = &self.tiers[t - 1];
-            let need = cover(t - 1);
-            // Order only the head of the list: about `need / mean members` cells cover `need`.
-            let mean = (below.num_members as f32 / below.live_cells() as f32).max(1.0);
-            let head = ((need as f32 / mean).ceil() as usize * 2 + 2).min(buf.cand.len());
-            let by_score = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0);
-            // A few picks (the build's case): a scan per pick is cheaper than ordering the head.
-            let scan = head <= SCAN_PICKS;
-            if !scan {
-                if head < buf.cand.len() {
-                    buf.cand.select_nth_unstable_by(head - 1, by_score);
-                }
-                buf.cand[..head].sort_unstable_by(by_score);
-            }
-            buf.chosen.clear();
-            let mut covered = 0;
-            for i in 0..buf.cand.len() {
-                if scan && i < head {
-                    let best =
-                        (i + 1..buf.cand.len()).fold(i, |b, j| if buf.cand[j].0 > buf.cand[b].0 { j } else { b });
-                    buf.cand.swap(i, best);
-                } else if i == head {
-                    // Rare: the head did not cover enough; order the rest too.
-                    buf.cand[head..].sort_unstable_by(by_score);
-                }
-                let c = buf.cand[i].1;
-                buf.chosen.push(c);
-                covered += below.cells[c as usize].members.len();
-                if covered >= need {
-                    break;
-                }
-            }
-        }
-    }
-
-    /// The tier-`t - 1` cells owned by members of tier-`t` cell `cell`.
-    fn cells_below(&self, t: usize, cell: u32) -> impl Iterator<Item = u32> + '_ {
-        let below = &self.tiers[t - 1];
-        let members = &self.tiers[t].cells[cell as usize].members;
-        members.iter().map(|&m| below.owned_cell[m as usize]).filter(|&oc| oc != NONE)
-    }
-
-    /// Scores the tier-`t - 1` cells below the chosen tier-`t` cells into `buf.cand`.
-    fn score_below(&self, t: usize, score: &impl Fn(usize, &[u32], &mut [f32]), buf: &mut Descent) {
-        buf.cells.clear();
-        for &c in &buf.chosen {
-            buf.cells.extend(self.cells_below(t, c));
-        }
-        buf.scores.resize(buf.cells.len(), 0.0);
-        score(t - 1, &buf.cells, &mut buf.scores);
-        buf.cand.clear();
-        buf.cand.extend(buf.scores.iter().copied().zip(buf.cells.iter().copied()));
-    }
+    // ---------------------------------------------------------------- nearest cells
 
     /// The `want` tier-`t` cells whose routes are nearest to point `slot`, nearest first.
     fn near_cells<'b>(&self, t: usize, slot: u32, want: usize, cover: usize, buf: &'b mut Descent) -> &'b [(f32, u32)] {
@@ -510,7 +308,7 @@ impl DciIndex {
         cand[..keep].sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
         for i in keep..cand.len() {
             let x = cand[i];
-            keep_best(&mut cand[..keep], x);
+            insert_best(&mut cand[..keep], x);
         }
         cand.truncate(keep);
         cand
@@ -563,7 +361,7 @@ impl DciIndex {
                         }
                         let best = &mut best[p as u32 as usize];
                         for (&score, &c) in row.iter().zip(&b.cells) {
-                            keep_best(best, (score, c));
+                            insert_best(best, (score, c));
                         }
                     }
                 }

@@ -170,7 +170,7 @@ impl HeadForest {
     fn store_pages(&self, len: usize, what: &str, min_pages: usize) -> Result<usize> {
         let per_page = self.page_size * self.dim;
         ensure!(
-            len % (self.heads.len() * per_page) == 0,
+            len.is_multiple_of(self.heads.len() * per_page),
             "{what} must be [{}, P, {}, {}]",
             self.heads.len(),
             self.page_size,
@@ -220,7 +220,7 @@ impl HeadForest {
         v_store: &mut [T],
     ) -> Result<Vec<Vec<u32>>> {
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
-        ensure!(keys.len() % (h * d) == 0 && !keys.is_empty(), "keys must be [{h}, m, {d}] with m >= 1");
+        ensure!(keys.len().is_multiple_of(h * d) && !keys.is_empty(), "keys must be [{h}, m, {d}] with m >= 1");
         ensure!(values.len() == keys.len(), "values must have the shape of keys");
         let m = keys.len() / (h * d);
         let p = self.store_pages(k_store.len(), "k_store", self.max_pages() + m)?;

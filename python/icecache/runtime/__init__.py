@@ -6,6 +6,8 @@
   past_key_values=IceCache(config, model))`` decodes with KV retrieval.
 - :func:`enable`: switch a model to the ``"icecache"`` attention implementation (done by
   ``IceCache(config, model)``; plain SDPA for any other cache).
+- :func:`kv_heads_per_rank`, :class:`HeadShard`: tensor parallelism, one IceCache per rank
+  with that rank's KV heads (:mod:`icecache.runtime.parallel`).
 
 Everything runs on the CPU too: the device is then the CPU and the same page path runs with
 plain copies.
@@ -15,5 +17,15 @@ from icecache.runtime.cache import SUPPORTED_MODEL_TYPES, IceCache
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import ATTN_IMPLEMENTATION, enable
 from icecache.runtime.layer import RuntimeStats
+from icecache.runtime.parallel import HeadShard, kv_heads_per_rank
 
-__all__ = ["ATTN_IMPLEMENTATION", "IceCache", "IceCacheConfig", "RuntimeStats", "SUPPORTED_MODEL_TYPES", "enable"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "HeadShard",
+    "IceCache",
+    "IceCacheConfig",
+    "RuntimeStats",
+    "SUPPORTED_MODEL_TYPES",
+    "enable",
+    "kv_heads_per_rank",
+]

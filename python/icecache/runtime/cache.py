@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Union
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from icecache import _core
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import enable
 from icecache.runtime.layer import IceLayer, Runtime, RuntimeStats
+from icecache.runtime.parallel import HeadShard, head_shard, rank_config
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
 __all__ = ["IceCache", "SUPPORTED_MODEL_TYPES"]
 
@@ -60,6 +64,11 @@ class IceCache(Cache):
     serves one ``generate`` (or one prompt forward followed by one-token forwards); call
     :meth:`reset` to reuse it. Beam search, cropping and chunked prefill are not supported.
 
+    Under tensor parallelism (transformers' ``tp_plan``, one process per GPU), make one
+    IceCache in every rank: each indexes, stores and selects only the KV heads of its rank
+    (:attr:`shard`), with the selections a single process makes for those heads, and never
+    communicates; see :mod:`icecache.runtime.parallel`.
+
     Args:
         config: an :class:`IceCacheConfig` (``None``: the defaults).
         model: the transformers model it will serve (Llama, Mistral, Qwen2/3, Gemma 3 text).
@@ -67,9 +76,15 @@ class IceCache(Cache):
             selection keeps (costs a full attention over the CPU pages; for evaluation).
 
     Raises:
-        ValueError: unsupported model or attention type.
+        ValueError: unsupported model or attention type, or KV heads that do not divide by
+            the model's tensor-parallel size.
         ImportError: the installed core has no page layer.
+
+    Attributes:
+        shard: the KV heads this process holds (all of them without tensor parallelism).
     """
+
+    shard: HeadShard
 
     def __init__(self, config: Optional[IceCacheConfig], model: Any, *, track_recall: bool = False):
         config = IceCacheConfig() if config is None else config
@@ -77,13 +92,18 @@ class IceCache(Cache):
             raise TypeError(f"config must be an IceCacheConfig, got {type(config).__name__}")
         text_config = model.config.get_text_config(decoder=True)
         layer_types = _layer_types(text_config)
+        shard = head_shard(model, text_config)
         if not hasattr(_core, "HeadForest"):
             raise ImportError("this build of icecache._core has no page layer (HeadForest); reinstall icecache")
         device = torch.device(config.device) if config.device is not None else next(model.parameters()).device
         self.config = config
-        self.runtime = Runtime(config, device, track_recall, query_heads=text_config.num_attention_heads)
+        self.shard = shard
+        query_heads = text_config.num_attention_heads // shard.size
+        self.runtime = Runtime(rank_config(config, shard), device, track_recall, query_heads=query_heads)
 
-        layers, seen_full, group = [], 0, []
+        layers: List[Union[CacheLayerMixin, LinearAttentionCacheLayerMixin, DummyLayer]] = []
+        group: List[IceLayer] = []
+        seen_full = 0
         for idx, kind in enumerate(layer_types):
             if kind == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
@@ -128,6 +148,8 @@ class IceCache(Cache):
             if isinstance(mine, IceLayer):
                 if getattr(theirs, "is_sliding", False):
                     raise ValueError(f"layer {i} of cache is a sliding-window layer: it lacks the full prompt")
+                if not isinstance(theirs, CacheLayerMixin) or theirs.keys is None or theirs.values is None:
+                    raise ValueError(f"layer {i} of cache holds no keys and values: run the prompt through it first")
                 mine.load_prompt(theirs.keys, theirs.values, valid)
             else:
                 ice.layers[i] = copy.deepcopy(theirs)
@@ -153,7 +175,7 @@ class IceCache(Cache):
             if isinstance(layer, IceLayer):
                 for key, value in layer.nbytes().items():
                     total[key] += value
-            elif layer.is_initialized and layer.keys is not None:
+            elif isinstance(layer, CacheLayerMixin) and layer.is_initialized and layer.keys is not None:
                 total["device"] += 2 * layer.keys.numel() * layer.keys.element_size()
         return total
 

@@ -47,7 +47,9 @@ class IceCacheConfig:
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
             supersets stay ranked too; with fresh selection ``budget // page_size``.
         effort, num_simple, num_composite, promotion, seed, threads: index parameters, passed
-            to :class:`icecache.HeadForest` (``None``: the index's defaults).
+            to :class:`icecache.HeadForest` (``None``: the index's defaults). ``threads=None``
+            is all cores in a single process; under ``torch.distributed`` with several ranks
+            on one host, each rank's even share of them (:mod:`icecache.runtime.parallel`).
         device: where sinks, windows and the page pool live. Default: the model's device.
     """
 

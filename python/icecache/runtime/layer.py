@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -277,6 +277,8 @@ class IceLayer(CacheLayerMixin):
         Args:
             valid: ``[B, T]`` bool of real (non-padding) positions, or ``None`` for all.
         """
+        if self._prompt is None:
+            raise RuntimeError(f"layer {self.layer_idx} has no prompt to offload")
         k, v = self._prompt
         self._prompt = None
         self.load_prompt(k, v, valid)

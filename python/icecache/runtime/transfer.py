@@ -12,7 +12,7 @@ slow on some hosts (the lent H200 pins 134 MB in 0.5 s) and buys nothing there.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -105,6 +105,8 @@ class Transit:
             for o, t in zip(out, tensors):
                 o.copy_(t)
             return tuple(out)
+        if ready is None:
+            raise ValueError("Transit.to_host needs the ready event of the device work")
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             for o, t in zip(out, tensors):
