@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-r"""Decode on a GPU: full cache (DynamicCache with SDPA or FlashInfer) vs IceCache and IceCache-reuse.
+r"""Decode on a GPU: full cache (DynamicCache with SDPA or FlashInfer) vs IceCache (look-ahead and
+fresh selection) and IceCache-reuse.
 
 A Llama-3.1-8B-shaped model (``--shape llama8b``; ``smollm2`` for a quick run, ``tiny`` for a
 CPU check), config written here, random bf16 weights made on the GPU; no download. Under
@@ -12,24 +13,34 @@ own shard. Per context length, one prompt of random tokens:
 - time per output token (TPOT): each variant keeps decoding from its own cache; after a
   warm-up, ``--repeats`` rounds of ``--steps`` one-token steps, variants interleaved (order
   rotated per round), every step timed to a device sync; median over all steps;
+- IceCache's host time: during the TPOT rounds, the host time IceCache's own code takes per
+  IceCache layer step (window writes, waiting for the layer's host job, the copy and scatter,
+  ranking and attention launches), and how much of it was waiting;
 - IceCache breakdown: one more pass per IceCache variant with a device sync at every stage
-  boundary (``Runtime.sync_timing``), per token: selection (q to host + index query + load
-  plan), gather (metadata + gather of missing pages into pinned staging), copy (the one
-  host-to-device copy + scatter), attention, rest (all else: projections, MLPs, the full
-  layers, window bookkeeping); the synced pass is slower than the TPOT pass, its total is
-  shown too; ``--cprofile N`` adds cProfile tables of N steps (and of each prefill);
+  boundary (``Runtime.sync_timing``), per token: wait (for the layer's host job: with
+  look-ahead the worker's job started a step earlier, with fresh selection the whole job), copy
+  (the one host-to-device copy + scatter), attention (ranking + attention), rest (all else:
+  projections, MLPs, the full layers, window bookkeeping); the synced pass is slower than the
+  TPOT pass, its total is shown too; the worker's own time per token (insert, select + plan,
+  gather), pages loaded per token; ``--cprofile N`` adds cProfile tables of N steps (and of
+  each prefill);
 - device KV bytes and host bytes (page stores + staging + transit) after decoding.
 
 Variants: ``full`` DynamicCache + SDPA, ``fullfi`` DynamicCache + FlashInfer single-sequence
-decode (needs FlashInfer), ``ice`` IceCache, ``ice3`` IceCache with reuse 3.
+decode (needs FlashInfer; batch 1), ``ice`` IceCache (look-ahead), ``ice3`` IceCache with
+reuse 3, ``fresh`` IceCache with fresh selection (every layer step waits for the host: the
+synchronous reference). Look-ahead never waits for the host within a step, so a "correction
+rate" (share of layer steps that select synchronously from the fresh query) is 0% for ``ice``
+and 100% for ``fresh``; with random weights consecutive queries are unrelated, so every step
+loads a new superset (the worst case; real models reload a few pages, see RESULTS.md).
 
     python benches/bench_gpu.py [--shape llama8b|smollm2] [--contexts 32768 131072] [--steps 32]
-        [--repeats 3] [--variants full fullfi ice ice3] [--attention auto|torch|flashinfer]
-        [--threads N] [--cprofile N] [--out DIR]
+        [--repeats 3] [--variants full fullfi ice ice3 fresh] [--batch B] [--threads N]
+        [--cprofile N] [--out DIR]
 
-Runs recorded in benches/RESULTS.md, on the lent H200 (icecache wheel + FlashInfer 0.3.1
-sdist installed with ``pip install --no-index --no-deps --no-build-isolation --target
-/tmp/site``, ``PYTHONPATH=/tmp/site``):
+Runs recorded in benches/RESULTS.md, on the lent H200 (icecache wheel, and for the ``fullfi``
+baseline FlashInfer, installed with ``pip install --no-index --no-deps --no-build-isolation
+--target /tmp/site``, ``PYTHONPATH=/tmp/site``):
 
     python3 benches/bench_gpu.py --contexts 32768 --variants full fullfi ice ice3 \
         --repeats 3 --steps 16 --warmup 24 --profile-steps 4 --cprofile 4 --out $OUT
@@ -174,50 +185,17 @@ def bench_attention(module, query, key, value, attention_mask, **kwargs):
     return icecache_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def flashinfer_smoke() -> str:
-    """'' if FlashInfer's path matches the torch reference on a small case, else the error."""
-    import numpy as np
+def flashinfer_ready() -> str:
+    """'' if FlashInfer's single decode runs here (compiling it outside any timing), else why not."""
     import torch
-    from icecache.attend import flashinfer as fi
-    from icecache.attend import sparse_decode_attention
 
-    if not fi.available():
-        return "flashinfer not importable"
     try:
-        B, H, G, D, S, C, M, sk, w = 1, 8, 4, 128, 16, 26, 13, 16, 32
-        T = C * S + sk + w
-        kv_k = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
-        kv_v = torch.randn_like(kv_k)
-        q = torch.randn(B, H * G, D, device="cuda", dtype=torch.bfloat16)
-        rng = np.random.default_rng(0)
-        table = np.stack([rng.permutation(C)[:M] for _ in range(H)])[None].astype(np.int32)
-        plen = rng.integers(1, S + 1, (B, H, M)).astype(np.int32)
-        sl, wl = np.array([sk], np.int32), np.array([17], np.int32)
-        indptr, idx = fi.token_lists(table, plen, sl, wl, C, S, sk, w)
-        dec = fi.FlashInferDecode(torch.device("cuda"))
-        got = dec.run(q, kv_k, kv_v, torch.from_numpy(indptr).cuda(), torch.from_numpy(idx).cuda(), D**-0.5)
-        P = C * S
-        t = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
-        ref = sparse_decode_attention(
-            q.float(),
-            kv_k[:, :, P : P + sk].float(),
-            kv_v[:, :, P : P + sk].float(),
-            t(sl),
-            kv_k[:, :, :P].view(B, H, C, S, D).float(),
-            kv_v[:, :, :P].view(B, H, C, S, D).float(),
-            t(table),
-            t(plen),
-            kv_k[:, :, P + sk :].float(),
-            kv_v[:, :, P + sk :].float(),
-            t(wl),
-            D**-0.5,
-        )
-        rel = ((got.float() - ref).norm() / ref.norm()).item()
-        # Compile the full-cache baseline's kernel too, outside any timing.
         import flashinfer
 
-        flashinfer.single_decode_with_kv_cache(q[0, :G], kv_k[0, :1], kv_v[0, :1], kv_layout="HND")
-        return "" if rel < 1e-2 else f"relative error {rel:.3g}"
+        q = torch.randn(32, 128, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(8, 64, 128, device="cuda", dtype=torch.bfloat16)
+        flashinfer.single_decode_with_kv_cache(q, kv, kv, kv_layout="HND")
+        return ""
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
 
@@ -240,13 +218,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--threads", type=int, default=None, help="IceCacheConfig.threads (default: all cores, per rank its share)"
     )
-    ap.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (same prompt length)")
     ap.add_argument("--time-limit", type=float, default=1e9, help="skip contexts started after this many s")
     ap.add_argument(
         "--variants",
         nargs="+",
         default=["full", "ice", "ice3"],
-        help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode; ice: IceCache; ice3: IceCache reuse=3",
+        help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode (batch 1); ice: IceCache; "
+        "ice3: IceCache reuse=3; fresh: IceCache with fresh selection",
     )
     ap.add_argument(
         "--cprofile",
@@ -295,22 +274,12 @@ def main(argv=None) -> int:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    attention = args.attention if cuda else "torch"
-    if attention != "torch":
-        err = flashinfer_smoke()
-        if err:
-            log(f"FlashInfer unusable ({err}): torch attention path")
-            if attention == "flashinfer":
-                return 1
-            attention = "torch"
-        else:
-            attention = "flashinfer"
+    fi_error = "no CUDA" if not cuda else ("batch > 1" if args.batch > 1 else flashinfer_ready())
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = build_model(cfg, device, world)
-    attention = agree(attention)
-    log(f"attention backend: {attention}")
+    fi_error = agree(fi_error)
     enable(model)  # registers IceCache's attention function, which bench_attention wraps
     register_attention("bench", bench_attention)
     model.set_attn_implementation("bench")
@@ -327,8 +296,9 @@ def main(argv=None) -> int:
         cache.bench_flashinfer = True
         return cache
 
-    def make_ice(reuse):
-        cache = IceCache(ice_config(reuse), model)
+    def make_ice(reuse, lookahead=True):
+        config = IceCacheConfig(budget=args.budget, reuse=reuse, threads=args.threads, lookahead=lookahead)
+        cache = IceCache(config, model)
         model.set_attn_implementation("bench")  # IceCache's attention, with the FlashInfer baseline
         return cache
 
@@ -358,26 +328,24 @@ def main(argv=None) -> int:
         log(f"cProfile, {what}:\n{text.getvalue()}")
         return out
 
-    def ice_config(reuse):
-        return IceCacheConfig(budget=args.budget, reuse=reuse, attention=attention, threads=args.threads)
-
     results, shard, threads = [], None, None
     for n in args.contexts:
         if agree(time.perf_counter() - start > args.time_limit):
             log(f"skipping {n}: time limit")
             continue
         # The same prompt in every rank.
-        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, n), generator=torch.Generator().manual_seed(n)).to(device)
         variants = {}
         makers = {
             "full": ("full (SDPA)", lambda: DynamicCache(config=model.config)),
             "fullfi": ("full (FlashInfer)", full_flashinfer),
             "ice": ("IceCache", lambda: make_ice(1)),
             "ice3": ("IceCache reuse=3", lambda: make_ice(3)),
+            "fresh": ("IceCache fresh", lambda: make_ice(1, lookahead=False)),
         }
-        if "fullfi" in args.variants and attention != "flashinfer":
+        if "fullfi" in args.variants and fi_error:
             makers.pop("fullfi")
-            log("no FlashInfer: full (FlashInfer) variant skipped")
+            log(f"full (FlashInfer) variant skipped: {fi_error}")
         for name, make in (makers[k] for k in args.variants if k in makers):
             cache = make()
             if args.cprofile and not name.startswith("full"):
@@ -394,6 +362,9 @@ def main(argv=None) -> int:
                 for _ in range(args.warmup):
                     v["tok"] = step(v["cache"], v["tok"])
             sync()
+            for v in variants.values():
+                if isinstance(v["cache"], IceCache):
+                    v["cache"].runtime.stats = RuntimeStats()  # host time of the TPOT rounds
             names = list(variants)
             for rep in range(args.repeats):
                 order = names[rep % len(names) :] + names[: rep % len(names)]
@@ -415,6 +386,9 @@ def main(argv=None) -> int:
                 cache = v["cache"]
                 if not isinstance(cache, IceCache):
                     continue
+                s = cache.stats
+                v["host_ms_per_layer_step"] = (s.update_s + s.wait_s + s.copy_s + s.attend_s) / s.layer_steps * 1e3
+                v["wait_ms_per_layer_step"] = s.wait_s / s.layer_steps * 1e3
                 cache.runtime.stats = RuntimeStats()
                 cache.runtime.sync_timing = True
                 t = time.perf_counter()
@@ -424,8 +398,10 @@ def main(argv=None) -> int:
                 v["profile_total"] = (time.perf_counter() - t) / args.profile_steps
                 cache.runtime.sync_timing = False
                 s = cache.stats
-                v["breakdown"] = {
-                    k: getattr(s, k) / args.profile_steps for k in ("select_s", "gather_s", "copy_s", "attend_s")
+                v["breakdown"] = {k: getattr(s, k) / args.profile_steps for k in ("wait_s", "copy_s", "attend_s")}
+                v["worker"] = {
+                    k: getattr(s, k) / args.profile_steps
+                    for k in ("worker_insert_s", "worker_select_s", "worker_gather_s")
                 }
                 v["pages_loaded"] = s.pages_loaded / args.profile_steps
                 v["pages_selected"] = s.pages_selected / args.profile_steps
@@ -459,7 +435,16 @@ def main(argv=None) -> int:
                 device_kv_bytes=nb["device"],
                 host_bytes=nb["host"],
             )
-            for k in ("breakdown", "profile_total", "pages_loaded", "pages_selected", "index_wait_s"):
+            for k in (
+                "breakdown",
+                "worker",
+                "profile_total",
+                "pages_loaded",
+                "pages_selected",
+                "index_wait_s",
+                "host_ms_per_layer_step",
+                "wait_ms_per_layer_step",
+            ):
                 if k in v:
                     row[k] = v[k]
             results.append(row)
@@ -481,16 +466,18 @@ def main(argv=None) -> int:
     head = (
         f"{where}; torch {torch.__version__}, transformers "
         f"{transformers.__version__}, icecache {icecache.__version__}; {args.shape} shape "
-        f"({args.layers} layers), random {dtype} weights, batch 1; budget {args.budget} (page 16, "
-        f"sink 16, window 32, 2 full layers); IceCache attention: {attention}; TPOT median of "
-        f"{args.repeats}x{args.steps} interleaved steps after {args.warmup} warm-up steps"
+        f"({args.layers} layers), random {dtype} weights, batch {args.batch}; budget {args.budget} "
+        f"(page 16, sink 16, window 32, 2 full layers); TPOT median of "
+        f"{args.repeats}x{args.steps} interleaved steps after {args.warmup} warm-up steps; "
+        f"tok/s = batch / TPOT"
     )
     lines = [
         head,
         "",
-        "| context | variant | TTST s | x full | index wait s | TPOT ms | x full | synced pass ms "
-        "| select | gather | copy | attention | rest | pages loaded/tok | device KV MB | host MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| context | variant | TTST s | x full | index wait s | TPOT ms | x full | tok/s | host ms/layer step "
+        "(waiting) | synced pass ms | wait | copy | attention | rest | worker insert/select/gather ms "
+        "| pages loaded/tok | device KV MB | host MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         # "x full": against the faster full-cache run (SDPA or FlashInfer) of the same context.
@@ -500,16 +487,19 @@ def main(argv=None) -> int:
         wait = f"{r['index_wait_s']:.2f}" if "index_wait_s" in r else "-"
         if "breakdown" in r:
             b = {k: v * 1e3 for k, v in r["breakdown"].items()}
+            w = {k: v * 1e3 for k, v in r["worker"].items()}
             p = r["profile_total"] * 1e3
             parts = (
-                f"{p:.1f} | {b['select_s']:.2f} | {b['gather_s']:.2f} | {b['copy_s']:.2f} | "
-                f"{b['attend_s']:.2f} | {p - sum(b.values()):.1f} | {r['pages_loaded']:.0f}"
+                f"{r['host_ms_per_layer_step']:.3f} ({r['wait_ms_per_layer_step']:.3f}) | "
+                f"{p:.1f} | {b['wait_s']:.2f} | {b['copy_s']:.2f} | {b['attend_s']:.2f} | "
+                f"{p - sum(b.values()):.1f} | {w['worker_insert_s']:.1f} / {w['worker_select_s']:.1f} / "
+                f"{w['worker_gather_s']:.1f} | {r['pages_loaded']:.0f}"
             )
         else:
-            parts = "- | - | - | - | - | - | -"
+            parts = "- | - | - | - | - | - | - | -"
         lines.append(
             f"| {r['context']} | {r['variant']} | {r['ttst_s']:.2f} | {ttst_ratio:.2f} | {wait} | "
-            f"{r['tpot_ms']:.1f} | {ratio:.2f} | "
+            f"{r['tpot_ms']:.1f} | {ratio:.2f} | {args.batch / r['tpot_ms'] * 1e3:.1f} | "
             f"{parts} | {r['device_kv_bytes'] / 2**20:.0f} | {r['host_bytes'] / 2**20:.0f} |"
         )
     table = "\n".join(lines)
@@ -517,7 +507,7 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
-            json.dump(dict(args=vars(args), attention=attention, results=results), f, indent=1)
+            json.dump(dict(args=vars(args), results=results), f, indent=1)
         with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
             f.write(table + "\n")
         with open(os.path.join(args.out, "bench_gpu.log"), "w") as f:

@@ -222,6 +222,8 @@ struct LanePlan {
     load_len: Vec<i32>,
     /// `[H_kv, width]` valid tokens of each selected page.
     table_len: Vec<i32>,
+    /// `[H_kv, width]` the selected pages, ranked (-1 past each head's count).
+    selected: Vec<i32>,
     /// Per head: every changed page and its token positions in slot order.
     changed: Vec<Vec<(u32, Vec<u32>)>>,
 }
@@ -252,6 +254,11 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// `[B, H_kv, width]` the pages the job selected, ranked (-1 past each head's count).
+    pub fn selected_pages(&self) -> Vec<i32> {
+        self.lanes.iter().flat_map(|l| l.selected.iter().copied()).collect()
+    }
+
     /// Int32 metadata entries.
     pub fn meta_len(&self) -> usize {
         3 * self.loads + 2 * self.clears + 2 * self.lanes.len() * self.table_heads() * self.width
@@ -432,13 +439,13 @@ fn dispatch(job: Job, state: Arc<JobState>, job_gen: u64, generation: &AtomicU64
                 state.finish(Err("cancelled: the decode step was abandoned".into()));
                 return;
             }
+            // Spin, then yield: the flag usually comes within a layer's time (tens of
+            // microseconds), and a sleeping thread wakes up too late on some hosts.
             spins += 1;
-            if spins < 200 {
+            if spins < 2000 {
                 std::hint::spin_loop();
-            } else if spins < 400 {
-                std::thread::yield_now();
             } else {
-                std::thread::sleep(Duration::from_micros(20));
+                std::thread::yield_now();
             }
         }
         // The queries were copied before the flag (same device stream): read them after it.
@@ -526,7 +533,13 @@ fn leader_lane(g: &Geometry, lane: &LeaderLane, q: &[f32], select: SelectParams)
         ensure!(lane.flush.is_none(), "tokens were flushed into a sequence that has no index yet");
         let table = vec![-1; h * width];
         let plan = LoadPlan { table, ..LoadPlan::default() };
-        let lp = LanePlan { plan, table_len: vec![0; h * width], changed: vec![Vec::new(); h], ..LanePlan::default() };
+        let lp = LanePlan {
+            plan,
+            table_len: vec![0; h * width],
+            selected: vec![-1; h * width],
+            changed: vec![Vec::new(); h],
+            ..LanePlan::default()
+        };
         return Ok((lp, 0.0, 0.0));
     };
     let t = Instant::now();
@@ -570,7 +583,7 @@ fn leader_lane(g: &Geometry, lane: &LeaderLane, q: &[f32], select: SelectParams)
             *tl = len((i / width) as i32, p)?;
         }
     }
-    Ok((LanePlan { plan, load_len, table_len, changed }, insert_s, secs(t)))
+    Ok((LanePlan { plan, load_len, table_len, selected: pages, changed }, insert_s, secs(t)))
 }
 
 fn poisoned() -> Error {

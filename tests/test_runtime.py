@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import icecache  # noqa: E402
-from icecache.attend import attention_recall, sparse_decode_attention  # noqa: E402
+from icecache.attend import attention_recall, ranked_decode_attention, sparse_decode_attention  # noqa: E402
 from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 from icecache.runtime.layer import IceLayer  # noqa: E402
 from icecache.runtime.pages import PageIndex  # noqa: E402
@@ -299,6 +299,65 @@ def test_sparse_decode_attention_is_exact_over_valid_slots():
     torch.testing.assert_close(got, _naive_attention(q, parts, 0.3), rtol=1e-5, atol=1e-6)
 
 
+def _ranked_inputs(seed, B=2, H=3, G=2, D=8, C=6, S=4, extra=9):
+    g = torch.Generator().manual_seed(seed)
+    T = C * S + extra
+    q = torch.randn(B, H * G, D, generator=g)
+    kv_k, kv_v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    valid = torch.rand(B, H, T, generator=g) < 0.7
+    valid[..., C * S] = True  # at least one token outside the pool
+    # Empty slots hold stale or made-up (finite) values: they must not leak into the result.
+    kv_k[~valid] = 1e4
+    kv_v[~valid] = -1e4
+    return q, kv_k, kv_v, valid, C, S
+
+
+def _naive_ranked(q, kv_k, kv_v, valid, C, S, keep, scale):
+    B, Hq, D = q.shape
+    H = kv_k.shape[1]
+    G = Hq // H
+    out = torch.empty(B, Hq, D)
+    for b, j in np.ndindex(B, Hq):
+        h = j // G
+        take = valid[b, h].clone()
+        take[: C * S] &= keep[b, h].repeat_interleave(S)
+        p = torch.softmax(kv_k[b, h, take] @ q[b, j] * scale, dim=0)
+        out[b, j] = p @ kv_v[b, h, take]
+    return out
+
+
+def test_ranked_attention_with_a_given_selection_is_exact():
+    q, kv_k, kv_v, valid, C, S = _ranked_inputs(1)
+    keep = torch.rand(valid.shape[0], valid.shape[1], C, generator=torch.Generator().manual_seed(2)) < 0.5
+    got = ranked_decode_attention(q, kv_k, kv_v, valid, pool_slots=C, page_size=S, pages=2, scale=0.3, keep=keep)
+    torch.testing.assert_close(got.out, _naive_ranked(q, kv_k, kv_v, valid, C, S, keep, 0.3), rtol=1e-5, atol=1e-6)
+    assert torch.equal(got.kept, keep)
+
+
+@pytest.mark.parametrize("pages", [1, 3, 6])
+def test_ranked_attention_keeps_the_pages_of_largest_group_mass(pages):
+    q, kv_k, kv_v, valid, C, S = _ranked_inputs(3)
+    B, H, T, D = kv_k.shape
+    G = q.shape[1] // H
+    scale = 0.4
+    # Reference ranking: each query head's softmax over every valid token, summed per pool
+    # page over the group.
+    mass = torch.zeros(B, H, C)
+    for b, j in np.ndindex(B, q.shape[1]):
+        h = j // G
+        p = torch.zeros(T)
+        p[valid[b, h]] = torch.softmax(kv_k[b, h, valid[b, h]] @ q[b, j] * scale, dim=0)
+        mass[b, h] += p[: C * S].view(C, S).sum(-1)
+    keep = torch.zeros(B, H, C, dtype=torch.bool).scatter_(-1, mass.topk(pages, -1).indices, True)
+    got = ranked_decode_attention(q, kv_k, kv_v, valid, pool_slots=C, page_size=S, pages=pages, scale=scale)
+    assert torch.equal(got.kept, keep)
+    torch.testing.assert_close(got.out, _naive_ranked(q, kv_k, kv_v, valid, C, S, keep, scale), rtol=1e-5, atol=1e-6)
+    lse = ranked_decode_attention(
+        q, kv_k, kv_v, valid, pool_slots=C, page_size=S, pages=pages, scale=scale, want_lse=True
+    ).lse
+    assert lse is not None and lse.shape == (B, H * G) and torch.isfinite(lse).all()
+
+
 def test_attention_recall():
     g = torch.Generator().manual_seed(2)
     H, G, D, P, S = 2, 2, 8, 5, 4
@@ -426,8 +485,8 @@ def test_worker_error_surfaces_at_the_next_step_and_reset_recovers():
     layer = ice_layers(cache)[0]
     layer.jobs.wait()
     tiny = np.zeros((layer.heads, 1, cfg.page_size, layer.dim), np.float32)
-    index = layer.indexes[0]
-    layer.jobs.set_lane(0, tiny, tiny.copy(), forest=index.forest, resident=index.resident)
+    empty = icecache.ResidentPages(layer.heads, cfg.device_pages)  # so that the job must load pages
+    layer.jobs.set_lane(0, tiny, tiny.copy(), forest=layer.indexes[0].forest, resident=empty)
     token = torch.tensor([[5]])
     with torch.inference_mode():
         model(token, **{CACHE_KW: cache})  # applies the job started before; starts a bad one

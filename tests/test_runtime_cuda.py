@@ -1,15 +1,24 @@
-"""The IceCache runtime on a GPU: device sinks, windows and page pools, CPU page stores, pinned
-double-buffered staging for the bulk host-to-device copy, the prefill pipeline's side stream.
-Skipped without CUDA (CI has no GPU); run on a GPU machine with
-``PYTHONPATH=python pytest tests/test_runtime_cuda.py``."""
+"""The IceCache runtime on a GPU: device page pools fed through pinned staging by the look-ahead
+worker (flags written by the device behind each layer's queries), device-side ranking and
+attention, the prefill pipeline's side stream. Skipped without CUDA (CI has no GPU); run on a
+GPU machine with ``PYTHONPATH=python:tests pytest tests/test_runtime_cuda.py``."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from icecache.attend import ranked_decode_attention  # noqa: E402
 from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
-from test_runtime import check_pools, ice_layers, prompt_ids, run_steps, tiny_model  # noqa: E402
+from test_runtime import (  # noqa: E402, F401 (pool_checks is a fixture)
+    _naive_ranked,
+    _ranked_inputs,
+    ice_layers,
+    pool_checks,
+    prompt_ids,
+    run_steps,
+    tiny_model,
+)
 from transformers import DynamicCache  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -22,30 +31,49 @@ def _padded_batch():
     return ids, mask
 
 
+@pytest.mark.parametrize("lookahead", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_budget_covering_context_matches_full_cache(dtype):
+def test_cuda_budget_covering_context_matches_full_cache(dtype, lookahead):
     model = tiny_model("llama").cuda().to(dtype)
     ids, mask = _padded_batch()
     full = run_steps(model, ids, DynamicCache(config=model.config), 40, attention_mask=mask)
-    ice = run_steps(model, ids, IceCache(IceCacheConfig(budget=1024, full_layers=1), model), 40, attention_mask=mask)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, lookahead=lookahead)
+    ice = run_steps(model, ids, IceCache(cfg, model), 40, attention_mask=mask)
     if dtype == torch.float32:
         torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
     else:  # bf16 rounding differs between kernels; the predictions must still agree
         assert (ice.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("reuse", [1, 2])
-def test_cuda_pages_move_through_pinned_staging(reuse):
+@pytest.mark.parametrize("reuse, lookahead", [(1, True), (2, True), (1, False)])
+def test_cuda_pages_move_through_pinned_staging(reuse, lookahead, pool_checks):  # noqa: F811
     model = tiny_model("llama").cuda().to(torch.bfloat16)
     ids, mask = _padded_batch()
-    cache = IceCache(IceCacheConfig(budget=96, full_layers=1, reuse=reuse, pool_pages=4), model, track_recall=True)
+    cfg = IceCacheConfig(budget=96, full_layers=1, reuse=reuse, pool_pages=16, lookahead=lookahead)
+    cache = IceCache(cfg, model, track_recall=True)
     logits = run_steps(model, ids, cache, 100, attention_mask=mask)
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
     layers = ice_layers(cache)
-    assert all(layer.pool_k.is_cuda and layer.win_k.is_cuda for layer in layers)
-    assert cache.runtime.staging.pin and cache.stats.pages_loaded > 0
-    assert all(buf is None or buf.is_pinned() for buf in cache.runtime.staging._buffers)
+    assert all(layer.kv_k.is_cuda and layer.valid.is_cuda for layer in layers)
+    for layer in layers:
+        bufs = layer._bufs
+        assert all(t.is_pinned() for t in (bufs.queries, bufs.flag, bufs.flush_k, bufs.staging))
     assert cache.runtime.transit.stream is not None
-    assert check_pools(cache) > 0
+    assert cache.stats.pages_loaded > 0 and sum(pool_checks) > 0
     assert 0 < cache.stats.recall <= 1
+
+
+@pytest.mark.parametrize("ranked", [True, False])
+def test_cuda_ranked_attention_equals_the_cpu_reference(ranked):
+    """The device path gives the CPU reference's result for the same inputs and selection."""
+    q, kv_k, kv_v, valid, C, S = _ranked_inputs(5, B=2, H=4, G=4, D=64, C=12, S=16, extra=48)
+    keep = None if ranked else torch.rand(valid.shape[0], valid.shape[1], C) < 0.4
+    dev = [t.cuda() for t in (q, kv_k, kv_v, valid)]
+    got = ranked_decode_attention(
+        *dev, pool_slots=C, page_size=S, pages=5, scale=0.125, keep=None if keep is None else keep.cuda()
+    )
+    cpu = ranked_decode_attention(q, kv_k, kv_v, valid, pool_slots=C, page_size=S, pages=5, scale=0.125, keep=keep)
+    assert torch.equal(got.kept.cpu(), cpu.kept)
+    want = _naive_ranked(q, kv_k, kv_v, valid, C, S, cpu.kept, 0.125)
+    torch.testing.assert_close(got.out.cpu(), want, rtol=1e-4, atol=1e-4)

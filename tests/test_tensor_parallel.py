@@ -39,7 +39,7 @@ RANKS = 2
 PROMPT = 300
 STEPS = 20
 EXACT = IceCacheConfig(budget=1024, full_layers=1)  # every page fits: exact
-SMALL = IceCacheConfig(budget=96, full_layers=0)  # 3 of ~16 pages per head and step
+SMALL = IceCacheConfig(budget=96, full_layers=0)  # selects 12 (the superset) of more pages, attends 3
 
 
 def _config(kv_heads: int = 4) -> LlamaConfig:
@@ -70,10 +70,11 @@ def _tokens() -> torch.Tensor:
 
 
 def _selections(cache) -> dict:
-    """This step's selected pages of sequence 0 per selecting IceCache layer, ``[H_kv, M]``
-    (-1: none). The one place that reads the runtime's selection state."""
+    """The pages the host selected from this step's queries, of sequence 0 per selecting
+    IceCache layer, ``[H_kv, M]`` (-1: none). The one place that reads the runtime's selection
+    state."""
     return {
-        layer.layer_idx: np.array(layer.indexes[0].selection[0])
+        layer.layer_idx: layer.jobs.selected()[0]
         for layer in cache.layers
         if isinstance(layer, IceLayer) and layer.leader is None
     }
@@ -167,8 +168,10 @@ def test_small_budget_selections_equal_single_process_for_each_rank_heads(ranks)
     _, reference = _run(model, cache, _selections)
     layers = sorted(reference[0])
     assert len(layers) == 4 and len(reference) == STEPS
-    # A real selection: 3 pages per head out of more, changing with the query.
-    assert all((sel >= 0).all() and sel.shape == (4, 3) for step in reference for sel in step.values())
+    # A real selection: SMALL.selected_pages pages per head (the look-ahead superset) out of
+    # more, changing with the query.
+    width = SMALL.selected_pages
+    assert all((sel >= 0).all() and sel.shape == (4, width) for step in reference for sel in step.values())
     assert len({step[layers[-1]].tobytes() for step in reference}) > 1
     for r, res in enumerate(ranks):
         assert res["small_steps"] == STEPS * len(layers)

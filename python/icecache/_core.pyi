@@ -304,6 +304,9 @@ class LookAheadLayer:
     def wait(self) -> LookAheadOutcome:
         """Blocks (without the GIL) until the current job has finished; its outcome. Raises its
         error (``RuntimeError``) as often as it is asked."""
+    def selected(self) -> npt.NDArray[np.int32]:
+        """``[B, kv_heads, max_pages]``: the pages the current job selected, ranked (-1 past each
+        head's count; a following layer gives its leader's). Waits for the job."""
     def clear(self) -> None:
         """Forgets the current job and every lane (after the job finished or was cancelled)."""
     @staticmethod

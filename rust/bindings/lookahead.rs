@@ -431,6 +431,16 @@ impl PyLookAheadLayer {
         Ok(PyOutcome::from(&*out))
     }
 
+    /// ``[B, kv_heads, max_pages]`` int32: the pages the current job selected (waits for it).
+    fn selected<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, numpy::PyArray3<i32>>> {
+        use numpy::IntoPyArray;
+        let job = self.state().current.clone().ok_or_else(|| PyRuntimeError::new_err("no job was started"))?;
+        let out = py.allow_threads(move || job.wait()).map_err(to_py)?;
+        let shape = (self.batch, self.geometry.heads, out.width);
+        let pages = numpy::ndarray::Array3::from_shape_vec(shape, out.selected_pages()).expect("shape");
+        Ok(pages.into_pyarray(py))
+    }
+
     /// Forgets the current job (after it finished or was cancelled) and every lane.
     fn clear(&self) {
         let mut st = self.state();

@@ -42,7 +42,6 @@ use crate::error::{ensure, Error, Result};
 use crate::input::{check_rows, KeyData};
 use cells::{Tier, NONE};
 pub use search::Scratch;
-pub(crate) use search::Scored;
 
 /// Largest supported key dimension.
 pub const MAX_DIM: usize = 4096;

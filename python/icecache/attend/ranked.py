@@ -15,9 +15,10 @@ pool pages enter the softmax:
   KV head's query group (each query head's softmax over the valid tokens counts equally), and
   the ``pages`` heaviest are kept. The host never waits for this step's queries.
 
-Sink and window tokens are always attended. The softmax and the output then reuse the same
-logits, so choosing and attending cost one pass over the device tokens. Logits and softmax are
-float32 whatever the storage dtype; the output has the query's dtype.
+Sink and window tokens are always attended. The attention itself is torch's scaled-dot-product
+attention over the valid, kept tokens (its kernels keep logits and softmax in float32 whatever
+the storage dtype); the ranking's logits are the storage dtype's, which only decides an order.
+The output has the query's dtype.
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["RankedAttention", "ranked_decode_attention"]
+
+_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -65,7 +70,8 @@ def ranked_decode_attention(
         query: ``[B, H*G, D]``; query head ``j`` reads KV head ``j // G``.
         kv_k, kv_v: ``[B, H, T, D]`` device tokens; the first ``pool_slots * page_size`` are
             the page pool.
-        valid: ``[B, H, T]`` bool, slots that hold a token.
+        valid: ``[B, H, T]`` bool, slots that hold a token (the others may hold anything
+            finite: they are masked out, not zeroed).
         pool_slots, page_size: the pool's layout.
         pages: most pool pages to attend per (sequence, KV head) when ranking.
         scale: logit scale (usually ``D ** -0.5``).
@@ -84,22 +90,30 @@ def ranked_decode_attention(
     if P > T or valid.shape != (B, H, T):
         raise ValueError(f"valid must be [{B}, {H}, {T}] and the pool ({P} tokens) inside T = {T}")
     G = Hq // H
+    # The group's query heads are the "query positions" of one KV head: [B, H, G, D].
     q = query.reshape(B, H, G, D).to(kv_k.dtype)
-    logits = torch.matmul(q, kv_k.transpose(-1, -2)).float().mul_(scale)  # [B, H, G, T]
-    logits.masked_fill_(~valid[:, :, None, :], float("-inf"))
-    pool_logits = logits[..., :P].view(B, H, G, pool_slots, page_size)
     if keep is None:
         if pages < pool_slots:
+            # Ranking only needs the order of page masses: logits in the storage dtype will do.
+            logits = torch.matmul(q, kv_k.transpose(-1, -2)).float().mul_(scale)
+            logits.masked_fill_(~valid[:, :, None, :], float("-inf"))
             mass = torch.softmax(logits, dim=-1)[..., :P].reshape(B, H, G, pool_slots, page_size).sum((2, 4))
             top = mass.topk(pages, dim=-1).indices
             keep = torch.zeros(B, H, pool_slots, dtype=torch.bool, device=kv_k.device).scatter_(-1, top, True)
         else:
             keep = torch.ones(B, H, pool_slots, dtype=torch.bool, device=kv_k.device)
+    elif keep.shape != (B, H, pool_slots):
+        raise ValueError(f"keep must be [{B}, {H}, {pool_slots}], got {tuple(keep.shape)}")
+    attended = valid.clone()
+    attended[..., :P].view(B, H, pool_slots, page_size).logical_and_(keep[..., None])
+    mask = attended[:, :, None, :]
+    if kv_k.is_cuda:  # cuDNN's backend would plan anew for the mask; the others need no plan
+        with sdpa_kernel(_BACKENDS):
+            out = F.scaled_dot_product_attention(q, kv_k, kv_v, attn_mask=mask, scale=scale)
     else:
-        if keep.shape != (B, H, pool_slots):
-            raise ValueError(f"keep must be [{B}, {H}, {pool_slots}], got {tuple(keep.shape)}")
-    pool_logits.masked_fill_(~keep[:, :, None, :, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.matmul(probs.to(kv_v.dtype), kv_v).reshape(B, Hq, D).to(query.dtype)
-    lse = torch.logsumexp(logits, dim=-1).reshape(B, Hq) if want_lse else None
-    return RankedAttention(out=out, kept=keep, lse=lse)
+        out = F.scaled_dot_product_attention(q, kv_k, kv_v, attn_mask=mask, scale=scale)
+    lse = None
+    if want_lse:
+        logits = torch.matmul(q.float(), kv_k.float().transpose(-1, -2)) * scale
+        lse = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1).reshape(B, Hq)
+    return RankedAttention(out=out.reshape(B, Hq, D).to(query.dtype), kept=keep, lse=lse)

@@ -42,6 +42,10 @@ class IceCacheConfig:
         superset_pages: pages the look-ahead selects per (layer, KV head, step), ranked on the
             device. Default: ``4 * retrieved_pages`` (measured by ``icecache eval recall``; see
             benches/RESULTS.md). Ignored with fresh selection.
+        successors: with look-ahead, the weight of each query head's ``successors`` heaviest
+            keys also goes to the page of the next position, so that a head copying text from
+            the context (it attends one token further on at the next step) finds that page in
+            the superset (``HeadForest.select``'s ``successors``; 0: off).
         pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
             across steps until evicted (least recently selected first). Default with
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
@@ -61,6 +65,7 @@ class IceCacheConfig:
     reuse: int = 1
     lookahead: bool = True
     superset_pages: Optional[int] = None
+    successors: int = 32
     pool_pages: Optional[int] = None
     effort: float = 1.0
     num_simple: Optional[int] = None
@@ -73,7 +78,7 @@ class IceCacheConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.lookahead, bool):
             raise ValueError(f"IceCacheConfig.lookahead must be True or False, got {self.lookahead!r}")
-        for name in ("budget", "page_size", "sink", "window", "full_layers", "reuse"):
+        for name in ("budget", "page_size", "sink", "window", "full_layers", "reuse", "successors"):
             value = getattr(self, name)
             if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"IceCacheConfig.{name} must be a non-negative int, got {value!r}")

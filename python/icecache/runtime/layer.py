@@ -3,6 +3,7 @@ middle tokens are offloaded to CPU semantic pages and retrieved per decode step.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ class RuntimeStats:
     :attr:`Runtime.sync_timing` is set): ``wait_s`` waiting for the layer's host job (with
     look-ahead: the worker's job for this step, normally finished already; with fresh
     selection, or on the first step after a prompt: the whole job, run on the spot),
+    ``update_s`` taking the step's keys and values into the window (and handing a full window's
+    oldest page to the host),
     ``copy_s`` the host-to-device copy of the step's pages and metadata and their scatter into
     the page pool, ``attend_s`` ranking and attention, ``recall_s`` the optional recall
     measurement, ``index_wait_s`` the time decode steps waited for the prefill pipeline.
@@ -47,6 +50,7 @@ class RuntimeStats:
     """
 
     layer_steps: int = 0
+    update_s: float = 0.0
     wait_s: float = 0.0
     copy_s: float = 0.0
     attend_s: float = 0.0
@@ -92,7 +96,9 @@ class Runtime:
     def worker(self) -> _core.LookAhead:
         """The look-ahead worker (a native thread and pool), made on first use."""
         if self._worker is None:
-            self._worker = _core.LookAhead(self.config.threads)
+            # By default every core but one: the Python thread that drives the device needs one.
+            threads = self.config.threads or max(1, (os.cpu_count() or 2) - 1)
+            self._worker = _core.LookAhead(threads)
         return self._worker
 
     def stamp(self, step: int) -> Optional[torch.Tensor]:
@@ -237,7 +243,9 @@ class IceLayer(CacheLayerMixin):
         if key_states.shape[0] != self.batch:
             raise ValueError(f"batch size changed from {self.batch} to {key_states.shape[0]}")
         self.runtime.wait_indexed()
+        t = time.perf_counter()
         self._append(key_states.to(self.device), value_states.to(self.device))
+        self.runtime.stats.update_s += time.perf_counter() - t
         self.length += 1
         hand_off(self)
         return key_states, value_states
@@ -318,7 +326,9 @@ class IceLayer(CacheLayerMixin):
         self.decoding = True
 
     def _index_prompt(self, middles: list, ready: Optional[torch.cuda.Event]) -> None:
-        """Index worker: copy each sequence's middle tokens to the host and index them."""
+        """Index worker: copy each sequence's middle tokens to the host and index them (and
+        make the decode steps' host buffers: pinning memory is slow on some hosts)."""
+        self._buffers()
         for b, k, v in middles:
             k_host, v_host = self.runtime.transit.to_host(ready, k, v)
             if self.leader is None:
@@ -424,7 +434,7 @@ class IceLayer(CacheLayerMixin):
             max_pages=cfg.selected_pages,
             scale=scale,
             effort=cfg.effort,
-            successors=int(__import__("os").environ.get("ICE_SUCC", "0")),
+            successors=cfg.successors,
             leader=leader_jobs,
         )
         for b in range(self.batch):
