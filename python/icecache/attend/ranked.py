@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["RankedAttention", "ranked_decode_attention"]
+__all__ = ["RankedAttention", "RankedAttentionGraph", "ranked_decode_attention"]
 
 _BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
@@ -117,3 +117,66 @@ def ranked_decode_attention(
         logits = torch.matmul(q.float(), kv_k.float().transpose(-1, -2)) * scale
         lse = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1).reshape(B, Hq)
     return RankedAttention(out=out.reshape(B, Hq, D).to(query.dtype), kept=keep, lse=lse)
+
+
+class RankedAttentionGraph:
+    """:func:`ranked_decode_attention` of one layer (ranking mode) replayed from CUDA graphs.
+
+    Eager, one decode step of a layer launches about fifteen small kernels, and on slow hosts
+    their launches cost far more than their device time. The step's shapes never change (the
+    layer's device buffers are fixed, and ``pages`` takes one of two values), so each ``pages``
+    value is captured once into a CUDA graph over the layer's buffers and replayed: per step, one
+    copy of the query into the graph's input and one replay. The graph also leaves the query as
+    float32 for the host.
+
+    Args:
+        kv_k, kv_v, valid, pool_slots, page_size, scale: as for :func:`ranked_decode_attention`
+            (the layer's persistent buffers; the graphs read them at replay).
+        query_shape, query_dtype: of the step's query ``[B, H*G, D]``.
+        pool: a CUDA graph memory pool to share between layers (``torch.cuda.graph_pool_handle``):
+            layers replay in stream order, so they can share it.
+    """
+
+    def __init__(
+        self,
+        kv_k: torch.Tensor,
+        kv_v: torch.Tensor,
+        valid: torch.Tensor,
+        *,
+        pool_slots: int,
+        page_size: int,
+        scale: float,
+        query_shape: tuple,
+        query_dtype: torch.dtype,
+        pool: Optional[tuple] = None,
+    ):
+        self._args = (kv_k, kv_v, valid)
+        self._layout = dict(pool_slots=pool_slots, page_size=page_size, scale=scale)
+        self._query = torch.zeros(query_shape, dtype=query_dtype, device=kv_k.device)
+        self._pool = pool
+        self._graphs: dict = {}
+
+    def _run(self, pages: int):
+        res = ranked_decode_attention(self._query, *self._args, pages=pages, **self._layout)
+        return res.out, self._query.float()
+
+    def _capture(self, pages: int):
+        side = torch.cuda.Stream(self._query.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # library warm-up (workspaces, autotuning) outside the capture
+                self._run(pages)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = self._run(pages)
+        self._graphs[pages] = (graph, outputs)
+        return self._graphs[pages]
+
+    def __call__(self, query: torch.Tensor, pages: int):
+        """``(out [B, H*G, D], query as float32)`` of this step; both stay valid until the next
+        call with the same ``pages``."""
+        self._query.copy_(query)
+        graph, outputs = self._graphs.get(pages) or self._capture(pages)
+        graph.replay()
+        return outputs

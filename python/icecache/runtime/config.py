@@ -46,6 +46,9 @@ class IceCacheConfig:
             keys also goes to the page of the next position, so that a head copying text from
             the context (it attends one token further on at the next step) finds that page in
             the superset (``HeadForest.select``'s ``successors``; 0: off).
+        cuda_graphs: with look-ahead on CUDA, replay each layer's ranking and attention from
+            CUDA graphs (captured at the first steps): a few launches per layer and step instead
+            of about fifteen.
         pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
             across steps until evicted (least recently selected first). Default with
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
@@ -66,6 +69,7 @@ class IceCacheConfig:
     lookahead: bool = True
     superset_pages: Optional[int] = None
     successors: int = 32
+    cuda_graphs: bool = True
     pool_pages: Optional[int] = None
     effort: float = 1.0
     num_simple: Optional[int] = None
@@ -76,8 +80,9 @@ class IceCacheConfig:
     device: Any = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lookahead, bool):
-            raise ValueError(f"IceCacheConfig.lookahead must be True or False, got {self.lookahead!r}")
+        for name in ("lookahead", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"IceCacheConfig.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("budget", "page_size", "sink", "window", "full_layers", "reuse", "successors"):
             value = getattr(self, name)
             if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:

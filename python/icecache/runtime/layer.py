@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from icecache import _core
-from icecache.attend.ranked import ranked_decode_attention
+from icecache.attend.ranked import RankedAttentionGraph, ranked_decode_attention
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import hand_off
 from icecache.runtime.pages import History, PageIndex, PageStore, numpy_view
@@ -88,6 +89,7 @@ class Runtime:
     query_heads: int = 0
     _worker: Optional[_core.LookAhead] = None
     _stamps: Optional[torch.Tensor] = None
+    _graph_pool: Optional[tuple] = None
 
     def __post_init__(self) -> None:
         self.transit = Transit(self.device)
@@ -100,6 +102,12 @@ class Runtime:
             threads = self.config.threads or max(1, (os.cpu_count() or 2) - 1)
             self._worker = _core.LookAhead(threads)
         return self._worker
+
+    def graph_pool(self) -> tuple:
+        """One CUDA graph memory pool for every layer's graphs (they replay in stream order)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     def stamp(self, step: int) -> Optional[torch.Tensor]:
         """A device tensor holding ``step`` (a view into a table made once): copying it to a
@@ -188,6 +196,7 @@ class IceLayer(CacheLayerMixin):
         self.decoding = False
         self._prompt = None
         self.jobs: Optional[_core.LookAheadLayer] = None
+        self._graph: Optional[RankedAttentionGraph] = None
         self.steps = 0
 
     # ------------------------------------------------------------------ transformers API
@@ -201,8 +210,10 @@ class IceLayer(CacheLayerMixin):
         self.pool_tokens = C * S
         self.ring = cfg.window + S  # room for a flushed page that is still attended
         T = self.pool_tokens + cfg.sink + self.ring
-        self.kv_k = torch.zeros(B, H, T, D, dtype=self.dtype, device=self.device)
-        self.kv_v = torch.zeros_like(self.kv_k)
+        # K and V in one buffer, so that one scatter loads a step's pages of both.
+        self.kv = torch.zeros(2, B, H, T, D, dtype=self.dtype, device=self.device)
+        self.kv_k, self.kv_v = self.kv[0], self.kv[1]
+        self._pool_kv = self.kv[:, :, :, : C * S].view(2, B * H, C, S, D)
         self.valid = torch.zeros(B, H, T, dtype=torch.bool, device=self.device)
         self.pool_k, self.pool_v = (t[:, :, : self.pool_tokens].view(B, H, C, S, D) for t in (self.kv_k, self.kv_v))
         self.pool_valid = self.valid[:, :, : self.pool_tokens].view(B * H, C, S)
@@ -443,6 +454,19 @@ class IceLayer(CacheLayerMixin):
             else:
                 self.histories[b].reserve(self.histories[b].n + cfg.page_size)
             self._lend(b)
+        self._scale = scale
+        if cfg.lookahead and cfg.cuda_graphs and self.device.type == "cuda":
+            self._graph = RankedAttentionGraph(
+                self.kv_k,
+                self.kv_v,
+                self.valid,
+                pool_slots=cfg.device_pages,
+                page_size=cfg.page_size,
+                scale=scale,
+                query_shape=(self.batch, query_heads, self.dim),
+                query_dtype=self.dtype,
+                pool=self.runtime.graph_pool(),
+            )
 
     def _indexed_pages(self, b: int) -> int:
         forest = (self.indexes if self.leader is None else self.leader.indexes)[b].forest
@@ -464,14 +488,16 @@ class IceLayer(CacheLayerMixin):
         bufs = self._buffers()
         flushed, self._flushed = self._flushed, [0] * self.batch
         self._in_job = list(flushed)
-        self._first_pages(flushed)
+        if max(flushed):
+            self._first_pages(flushed)
         m = max(flushed)
-        # Room for what the job writes: inserted pages (leaders), history (followers).
-        for b in range(self.batch):
+        # Room for what the job writes: inserted pages (leaders; the layers that follow need
+        # as many), history (followers).
+        if m and self.leader is None:
+            self._page_bound = max(self._indexed_pages(b) for b in range(self.batch)) + m
+        for b in range(self.batch if m else 0):
             if self.leader is None:
-                bound = self._indexed_pages(b) + m
-                self._page_bound = bound
-                grown = self.stores[b].reserve(bound)
+                grown = self.stores[b].reserve(self._page_bound)
             else:
                 grown = self.stores[b].reserve(self.leader._page_bound) | self.histories[b].reserve(
                     self.histories[b].n + flushed[b]
@@ -533,14 +559,12 @@ class IceLayer(CacheLayerMixin):
             meta = dev[: 4 * o.meta_len].view(torch.int32)
             n, c = o.loads, o.clears
             if n:
-                bh, slot = meta[:n].long(), meta[n : 2 * n].long()
+                bh, slot = meta[:n], meta[n : 2 * n]
                 rows = dev[o.rows_at : o.end].view(self.dtype).view(2, n, S, self.dim)
-                C = cfg.device_pages
-                self.pool_k.view(B * H, C, S, self.dim)[bh, slot] = rows[0]
-                self.pool_v.view(B * H, C, S, self.dim)[bh, slot] = rows[1]
+                self._pool_kv[:, bh, slot] = rows
                 self.pool_valid[bh, slot] = self._slot_ar < meta[2 * n : 3 * n, None]
             if c:
-                self.pool_valid[meta[3 * n : 3 * n + c].long(), meta[3 * n + c : 3 * n + 2 * c].long()] = False
+                self.pool_valid[meta[3 * n : 3 * n + c], meta[3 * n + c : 3 * n + 2 * c]] = False
             if fresh:
                 at = 3 * n + 2 * c
                 table = meta[at : at + B * H * o.width].view(B, H, o.width)
@@ -572,24 +596,29 @@ class IceLayer(CacheLayerMixin):
         # The budget: sink + window (+ a flushed page still attended) + pages.
         window = max(self.win_len)
         pages = max(0, min(cfg.retrieved_pages, (cfg.budget - max(self.sink_len) - window) // cfg.page_size))
-        res = ranked_decode_attention(
-            q,
-            self.kv_k,
-            self.kv_v,
-            self.valid,
-            pool_slots=cfg.device_pages,
-            page_size=cfg.page_size,
-            pages=pages,
-            scale=scale,
-            keep=keep,
-            want_lse=rt.track_recall,
-        )
+        handoff = q
+        if keep is None and self._graph is not None and not rt.track_recall:
+            out, handoff = self._graphed(q, pages)
+        else:
+            res = ranked_decode_attention(
+                q,
+                self.kv_k,
+                self.kv_v,
+                self.valid,
+                pool_slots=cfg.device_pages,
+                page_size=cfg.page_size,
+                pages=pages,
+                scale=scale,
+                keep=keep,
+                want_lse=rt.track_recall,
+            )
+            out = res.out
         t3 = rt.tick()
         if rt.track_recall:
             self._track_recall(q, res, outcome, pages, scale)
             stats.recall_s += time.perf_counter() - t3
         if cfg.lookahead:
-            self._start_job(q, now=False)
+            self._start_job(handoff, now=False)
 
         stats.layer_steps += 1
         stats.wait_s += t1 - t0
@@ -600,7 +629,29 @@ class IceLayer(CacheLayerMixin):
         stats.worker_gather_s += outcome.gather_s
         stats.pages_selected += outcome.selected
         stats.pages_loaded += outcome.loads
-        return res.out[:, None].to(query.device)
+        return out[:, None].to(query.device)
+
+    def _graphed(self, q: torch.Tensor, pages: int) -> tuple:
+        """Ranking and attention replayed from this layer's CUDA graphs; ``(out, q as float32)``.
+        A capture that fails leaves the layer on the eager path for good (with a warning)."""
+        try:
+            return self._graph(q, pages)
+        except RuntimeError as exc:
+            warnings.warn(
+                f"IceCache layer {self.layer_idx}: CUDA graph capture failed ({exc}); eager from now on", stacklevel=2
+            )
+            self._graph = None
+            res = ranked_decode_attention(
+                q,
+                self.kv_k,
+                self.kv_v,
+                self.valid,
+                pool_slots=self.runtime.config.device_pages,
+                page_size=self.runtime.config.page_size,
+                pages=pages,
+                scale=self._scale,
+            )
+            return res.out, q
 
     def _track_recall(self, q: torch.Tensor, res, outcome: _core.LookAheadOutcome, pages: int, scale: float) -> None:
         """Measurements for evaluation (``track_recall``), after this step's attention.
@@ -649,7 +700,7 @@ class IceLayer(CacheLayerMixin):
         if not self.is_initialized:
             return {"device": 0, "host": 0}
         self.runtime.wait_indexed()
-        dev = sum(t.numel() * t.element_size() for t in (self.kv_k, self.kv_v))
+        dev = self.kv.numel() * self.kv.element_size()
         host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
         if self.leader is not None:
             host += sum(h.k.numel() * h.k.element_size() * 2 for h in self.histories)

@@ -12,7 +12,7 @@ slow on some hosts (the lent H200 pins 134 MB in 0.5 s) and buys nothing there.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
