@@ -224,22 +224,30 @@ struct LanePlan {
     table_len: Vec<i32>,
     /// `[H_kv, width]` the selected pages, ranked (-1 past each head's count).
     selected: Vec<i32>,
+    /// Device page slots per KV head (the residency map's capacity).
+    capacity: usize,
     /// Per head: every changed page and its token positions in slot order.
     changed: Vec<Vec<(u32, Vec<u32>)>>,
 }
 
 /// Where a finished job left its results in the staging buffer, and what it did.
 ///
-/// Staging layout: int32 metadata `load_bh [loads] | load_slot [loads] | load_len [loads] |
-/// clear_bh [clears] | clear_slot [clears] | table [B·H_kv·width] | table_len [B·H_kv·width]`,
-/// then, from byte `rows_at`, the K rows `[loads, page_size, d]` and the V rows after them, up
-/// to byte `end`. `bh = b·H_kv + head`; `table` holds the device slot of each selected page in
-/// rank order (-1 past the head's count) and `table_len` its valid tokens.
+/// Staging layout, all offsets in bytes, so that the device applies a step in two copies:
+/// - from 0: int64 `load_idx [loads]`, the device slot of each loaded page as
+///   `(b·H_kv + head)·capacity + slot`, then int64 `mask_idx [loads + clears]`, the slots whose
+///   valid-token mask changes (the loaded ones, then those cleared because their page changed
+///   and was not selected again);
+/// - from `table_at`: int32 `table [B·H_kv·width]`, the device slot of each selected page in
+///   rank order (-1 past the head's count), then int32 `table_len`, its valid tokens;
+/// - from `mask_at`: `[loads + clears, page_size]` bytes, 1 where the slot holds a token;
+/// - from `rows_at`: the K rows `[loads, page_size, d]`, then the V rows, up to `end`.
 #[derive(Debug, Default)]
 pub struct Outcome {
     pub loads: usize,
     pub clears: usize,
     pub width: usize,
+    pub table_at: usize,
+    pub mask_at: usize,
     pub rows_at: usize,
     pub end: usize,
     /// Pages selected, summed over sequences and KV heads.
@@ -258,23 +266,15 @@ impl Outcome {
     pub fn selected_pages(&self) -> Vec<i32> {
         self.lanes.iter().flat_map(|l| l.selected.iter().copied()).collect()
     }
-
-    /// Int32 metadata entries.
-    pub fn meta_len(&self) -> usize {
-        3 * self.loads + 2 * self.clears + 2 * self.lanes.len() * self.table_heads() * self.width
-    }
-
-    fn table_heads(&self) -> usize {
-        self.lanes.first().map_or(0, |l| l.table_len.len() / self.width.max(1))
-    }
 }
 
 /// Largest staging buffer a job over `batch` sequences may need: every (sequence, KV head)
 /// loads at most `width` pages and clears at most `capacity` slots.
 pub fn staging_bytes(g: &Geometry, batch: usize, width: usize, capacity: usize) -> usize {
     let lanes = batch * g.heads;
-    let meta = 4 * (3 * lanes * width + 2 * lanes * capacity + 2 * lanes * width);
-    meta.div_ceil(ROW_ALIGN) * ROW_ALIGN + 2 * lanes * width * g.page_bytes()
+    let (loads, masks) = (lanes * width, lanes * (width + capacity));
+    let meta = 8 * (loads + masks) + 4 * 2 * lanes * width + masks * g.page_size;
+    meta.div_ceil(ROW_ALIGN) * ROW_ALIGN + 2 * loads * g.page_bytes()
 }
 
 /// A submitted job: finished once, with its outcome or an error message.
@@ -529,6 +529,7 @@ fn process(job: Job, waited: Duration) -> Result<Outcome> {
 fn leader_lane(g: &Geometry, lane: &LeaderLane, q: &[f32], select: SelectParams) -> Result<(LanePlan, f64, f64)> {
     let h = g.heads;
     let width = select.max_pages;
+    let capacity = lane.resident.lock().map_err(|_| poisoned())?.capacity();
     let Some(lane_forest) = &lane.forest else {
         ensure!(lane.flush.is_none(), "tokens were flushed into a sequence that has no index yet");
         let table = vec![-1; h * width];
@@ -538,6 +539,7 @@ fn leader_lane(g: &Geometry, lane: &LeaderLane, q: &[f32], select: SelectParams)
             table_len: vec![0; h * width],
             selected: vec![-1; h * width],
             changed: vec![Vec::new(); h],
+            capacity,
             ..LanePlan::default()
         };
         return Ok((lp, 0.0, 0.0));
@@ -583,7 +585,7 @@ fn leader_lane(g: &Geometry, lane: &LeaderLane, q: &[f32], select: SelectParams)
             *tl = len((i / width) as i32, p)?;
         }
     }
-    Ok((LanePlan { plan, load_len, table_len, selected: pages, changed }, insert_s, secs(t)))
+    Ok((LanePlan { plan, load_len, table_len, selected: pages, changed, capacity }, insert_s, secs(t)))
 }
 
 fn poisoned() -> Error {
@@ -675,44 +677,40 @@ fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()>
 /// Writes the metadata and gathers every lane's loaded pages into the staging buffer (layout
 /// in [`Outcome`]); fills the counts of `out`.
 fn write_staging(g: &Geometry, out: &mut Outcome, stores: &[(HostBuf, HostBuf)], staging: HostBuf) -> Result<()> {
-    let h = g.heads;
+    let (h, s) = (g.heads, g.page_size);
     let lanes = &out.lanes;
-    out.loads = lanes.iter().map(|l| l.plan.pages.len()).sum();
-    out.clears = lanes.iter().map(|l| l.plan.cleared.len()).sum();
-    out.selected = lanes.iter().map(|l| l.plan.table.iter().filter(|&&s| s >= 0).count()).sum();
-    let meta_len = out.meta_len();
-    out.rows_at = (4 * meta_len).div_ceil(ROW_ALIGN) * ROW_ALIGN;
+    let (n, c) = (lanes.iter().map(|l| l.plan.pages.len()).sum(), lanes.iter().map(|l| l.plan.cleared.len()).sum());
+    out.loads = n;
+    out.clears = c;
+    out.selected = lanes.iter().map(|l| l.plan.table.iter().filter(|&&x| x >= 0).count()).sum();
+    let table_len: usize = lanes.iter().map(|l| l.plan.table.len()).sum();
+    out.table_at = 8 * (2 * n + c);
+    out.mask_at = out.table_at + 8 * table_len;
+    out.rows_at = (out.mask_at + (n + c) * s).div_ceil(ROW_ALIGN) * ROW_ALIGN;
     let pb = g.page_bytes();
-    out.end = out.rows_at + 2 * out.loads * pb;
+    out.end = out.rows_at + 2 * n * pb;
     let buf = staging.slice_mut::<u8>("staging")?;
     ensure!(out.end <= buf.len(), "staging holds {} bytes, this step needs {}", buf.len(), out.end);
-    let (meta_bytes, rows) = buf.split_at_mut(out.rows_at);
-    let mut meta = Vec::with_capacity(meta_len);
-    let bh = |b: usize, head: i32| (b * h) as i32 + head;
+    let (meta, rows) = buf.split_at_mut(out.rows_at);
+    let slot_id = |b: usize, head: i32, slot: i32, capacity: usize| ((b * h + head as usize) * capacity) as i64 + slot as i64;
+    let mut ids: Vec<i64> = Vec::with_capacity(2 * n + c);
     for (b, l) in lanes.iter().enumerate() {
-        meta.extend(l.plan.heads.iter().map(|&hd| bh(b, hd)));
+        ids.extend(l.plan.heads.iter().zip(&l.plan.slots).map(|(&hd, &sl)| slot_id(b, hd, sl, l.capacity)));
     }
-    for l in lanes {
-        meta.extend(&l.plan.slots);
-    }
-    for l in lanes {
-        meta.extend(&l.load_len);
-    }
+    ids.extend_from_within(..n);
     for (b, l) in lanes.iter().enumerate() {
-        meta.extend(l.plan.cleared.iter().map(|&(hd, _)| bh(b, hd)));
+        ids.extend(l.plan.cleared.iter().map(|&(hd, sl)| slot_id(b, hd, sl, l.capacity)));
     }
-    for l in lanes {
-        meta.extend(l.plan.cleared.iter().map(|&(_, s)| s));
-    }
-    for l in lanes {
-        meta.extend(&l.plan.table);
-    }
-    for l in lanes {
-        meta.extend(&l.table_len);
-    }
-    debug_assert_eq!(meta.len(), meta_len);
-    for (o, x) in meta_bytes.chunks_exact_mut(4).zip(&meta) {
+    for (o, x) in meta[..out.table_at].chunks_exact_mut(8).zip(&ids) {
         o.copy_from_slice(&x.to_ne_bytes());
+    }
+    let tables = lanes.iter().flat_map(|l| l.plan.table.iter()).chain(lanes.iter().flat_map(|l| l.table_len.iter()));
+    for (o, x) in meta[out.table_at..out.mask_at].chunks_exact_mut(4).zip(tables) {
+        o.copy_from_slice(&x.to_ne_bytes());
+    }
+    let lens = lanes.iter().flat_map(|l| l.load_len.iter().copied()).chain(std::iter::repeat_n(0, c));
+    for (row, len) in meta[out.mask_at..out.mask_at + (n + c) * s].chunks_exact_mut(s).zip(lens) {
+        row.iter_mut().enumerate().for_each(|(i, x)| *x = u8::from((i as i32) < len));
     }
     let (k_rows, v_rows) = rows[..2 * out.loads * pb].split_at_mut(out.loads * pb);
     let mut at = 0;

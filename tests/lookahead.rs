@@ -87,17 +87,29 @@ struct Meta {
     table_len: Vec<i32>,
 }
 
-fn meta(o: &Outcome, staging: &[u8], lanes: usize) -> Meta {
-    let ints: Vec<i32> =
-        staging[..4 * o.meta_len()].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect();
-    let (n, c, t) = (o.loads, o.clears, lanes * H * o.width);
+/// Reads the staging layout of `Outcome` back (one sequence; `capacity` device slots per head).
+fn meta(o: &Outcome, staging: &[u8], capacity: usize) -> Meta {
+    let i64s: Vec<i64> =
+        staging[..o.table_at].chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect();
+    let i32s: Vec<i32> =
+        staging[o.table_at..o.mask_at].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect();
+    let (n, c, t) = (o.loads, o.clears, H * o.width);
+    assert_eq!(i64s.len(), 2 * n + c);
+    assert_eq!(i64s[..n], i64s[n..2 * n], "the mask rows start with the loaded slots");
+    let mask = &staging[o.mask_at..o.mask_at + (n + c) * S];
+    let lens: Vec<i32> = mask.chunks_exact(S).map(|r| r.iter().map(|&x| x as i32).sum()).collect();
+    for (row, &len) in mask.chunks_exact(S).zip(&lens) {
+        assert!(row.iter().enumerate().all(|(i, &x)| (x == 1) == ((i as i32) < len)), "mask rows are prefixes");
+    }
+    assert!(lens[n..].iter().all(|&l| l == 0), "cleared slots hold no token");
+    let cap = capacity as i64;
     Meta {
-        load_bh: ints[..n].to_vec(),
-        load_slot: ints[n..2 * n].to_vec(),
-        load_len: ints[2 * n..3 * n].to_vec(),
-        clear_bh: ints[3 * n..3 * n + c].to_vec(),
-        table: ints[3 * n + 2 * c..3 * n + 2 * c + t].to_vec(),
-        table_len: ints[3 * n + 2 * c + t..].to_vec(),
+        load_bh: i64s[..n].iter().map(|&x| (x / cap) as i32).collect(),
+        load_slot: i64s[..n].iter().map(|&x| (x % cap) as i32).collect(),
+        load_len: lens[..n].to_vec(),
+        clear_bh: i64s[2 * n..].iter().map(|&x| (x / cap) as i32).collect(),
+        table: i32s[..t].to_vec(),
+        table_len: i32s[t..].to_vec(),
     }
 }
 
@@ -136,12 +148,12 @@ fn run_selects_plans_and_stages() {
     assert_eq!(o.width, width);
     assert_eq!(o.loads, o.selected, "first step loads every selected page");
     assert_eq!(o.clears, 0);
-    let m = meta(&o, &staging, 1);
+    let m = meta(&o, &staging, 24);
     check_rows(&l, &o, &m, &staging);
     // The same selection again loads nothing.
     let o2 = worker.run(leader_job(&mut l, &mut q, &mut staging, None, width)).unwrap();
     assert_eq!(o2.loads, 0);
-    assert_eq!(meta(&o2, &staging, 1).table, m.table);
+    assert_eq!(meta(&o2, &staging, 24).table, m.table);
 }
 
 #[test]
@@ -154,7 +166,7 @@ fn everything_fits_takes_every_page() {
     let o = worker.run(leader_job(&mut l, &mut q, &mut staging, None, width)).unwrap();
     let f = l.forest.read().unwrap();
     assert_eq!(o.selected, (0..H).map(|h| f.num_pages(h).unwrap()).sum::<usize>());
-    let m = meta(&o, &staging, 1);
+    let m = meta(&o, &staging, 32);
     let total: i32 = m.table_len.iter().sum();
     assert_eq!(total as usize, H * 60, "every token selected exactly once");
 }
@@ -177,7 +189,7 @@ fn flush_inserts_and_reloads_changed_pages() {
     f.validate().unwrap();
     drop(f);
     // Every changed page that stays selected is reloaded; the rest are cleared.
-    let m = meta(&o, &staging, 1);
+    let m = meta(&o, &staging, 40);
     check_rows(&l, &o, &m, &staging);
     assert!(o.loads + o.clears > 0, "an insert changes at least one page per head");
     assert!(m.clear_bh.iter().all(|&bh| (bh as usize) < H));

@@ -126,9 +126,9 @@ def check_pool(layer):
     leader applied the same step's plan (the map may have moved on since: the leader's next job
     may have run). Returns how many pages were compared."""
     cfg = layer.runtime.config
-    C, S = cfg.device_pages, cfg.page_size
+    C = cfg.device_pages
     indexes = layer.indexes if layer.leader is None else layer.leader.indexes
-    lens = layer.pool_valid.view(layer.batch, layer.heads, C, S).sum(-1).cpu()
+    lens = layer.pool_valid.sum(-1).cpu()
     if layer.leader is None:  # what the pages were at this step, for the layers that follow
         layer.checked = [None if ix.forest is None else _layout(ix) for ix in indexes]
     else:
@@ -299,45 +299,47 @@ def test_sparse_decode_attention_is_exact_over_valid_slots():
     torch.testing.assert_close(got, _naive_attention(q, parts, 0.3), rtol=1e-5, atol=1e-6)
 
 
-def _ranked_inputs(seed, B=2, H=3, G=2, D=8, C=6, S=4, extra=9):
+def _ranked_inputs(seed, B=2, H=3, G=2, D=8, C=6, S=4, L=9):
+    """A query, a page pool and dense tokens with random validity (some dense token valid)."""
     g = torch.Generator().manual_seed(seed)
-    T = C * S + extra
     q = torch.randn(B, H * G, D, generator=g)
-    kv_k, kv_v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
-    valid = torch.rand(B, H, T, generator=g) < 0.7
-    valid[..., C * S] = True  # at least one token outside the pool
+    pool_kv, dense_kv = torch.randn(2, B, H, C, S, D, generator=g), torch.randn(2, B, H, L, D, generator=g)
+    pool_valid = torch.rand(B, H, C, S, generator=g) < 0.7
+    dense_valid = torch.rand(B, H, L, generator=g) < 0.7
+    dense_valid[..., 0] = True
     # Empty slots hold stale or made-up (finite) values: they must not leak into the result.
-    kv_k[~valid] = 1e4
-    kv_v[~valid] = -1e4
-    return q, kv_k, kv_v, valid, C, S
+    pool_kv[:, ~pool_valid] = 1e4
+    dense_kv[:, ~dense_valid] = -1e4
+    return q, pool_kv, pool_valid, dense_kv, dense_valid
 
 
-def _naive_ranked(q, kv_k, kv_v, valid, C, S, keep, scale):
+def _naive_ranked(q, pool_kv, pool_valid, dense_kv, dense_valid, keep, scale):
     B, Hq, D = q.shape
-    H = kv_k.shape[1]
+    _, _, H, C, S, _ = pool_kv.shape
     G = Hq // H
     out = torch.empty(B, Hq, D)
     for b, j in np.ndindex(B, Hq):
         h = j // G
-        take = valid[b, h].clone()
-        take[: C * S] &= keep[b, h].repeat_interleave(S)
-        p = torch.softmax(kv_k[b, h, take] @ q[b, j] * scale, dim=0)
-        out[b, j] = p @ kv_v[b, h, take]
+        take = pool_valid[b, h] & keep[b, h, :, None]
+        ks = torch.cat([pool_kv[0, b, h][take], dense_kv[0, b, h][dense_valid[b, h]]])
+        vs = torch.cat([pool_kv[1, b, h][take], dense_kv[1, b, h][dense_valid[b, h]]])
+        out[b, j] = torch.softmax(ks @ q[b, j] * scale, dim=0) @ vs
     return out
 
 
 def test_ranked_attention_with_a_given_selection_is_exact():
-    q, kv_k, kv_v, valid, C, S = _ranked_inputs(1)
-    keep = torch.rand(valid.shape[0], valid.shape[1], C, generator=torch.Generator().manual_seed(2)) < 0.5
-    got = ranked_decode_attention(q, kv_k, kv_v, valid, pool_slots=C, page_size=S, pages=2, scale=0.3, keep=keep)
-    torch.testing.assert_close(got.out, _naive_ranked(q, kv_k, kv_v, valid, C, S, keep, 0.3), rtol=1e-5, atol=1e-6)
+    inputs = _ranked_inputs(1)
+    B, H, C = inputs[2].shape[:3]
+    keep = torch.rand(B, H, C, generator=torch.Generator().manual_seed(2)) < 0.5
+    got = ranked_decode_attention(*inputs, pages=2, scale=0.3, keep=keep)
+    torch.testing.assert_close(got.out, _naive_ranked(*inputs, keep, 0.3), rtol=1e-5, atol=1e-6)
     assert torch.equal(got.kept, keep)
 
 
 @pytest.mark.parametrize("pages", [1, 3, 6])
 def test_ranked_attention_keeps_the_pages_of_largest_group_mass(pages):
-    q, kv_k, kv_v, valid, C, S = _ranked_inputs(3)
-    B, H, T, D = kv_k.shape
+    inputs = q, pool_kv, pool_valid, dense_kv, dense_valid = _ranked_inputs(3)
+    _, B, H, C, S, D = pool_kv.shape
     G = q.shape[1] // H
     scale = 0.4
     # Reference ranking: each query head's softmax over every valid token, summed per pool
@@ -345,16 +347,16 @@ def test_ranked_attention_keeps_the_pages_of_largest_group_mass(pages):
     mass = torch.zeros(B, H, C)
     for b, j in np.ndindex(B, q.shape[1]):
         h = j // G
-        p = torch.zeros(T)
-        p[valid[b, h]] = torch.softmax(kv_k[b, h, valid[b, h]] @ q[b, j] * scale, dim=0)
+        keys = torch.cat([pool_kv[0, b, h].reshape(C * S, D), dense_kv[0, b, h]])
+        valid = torch.cat([pool_valid[b, h].reshape(-1), dense_valid[b, h]])
+        p = torch.zeros(len(keys))
+        p[valid] = torch.softmax(keys[valid] @ q[b, j] * scale, dim=0)
         mass[b, h] += p[: C * S].view(C, S).sum(-1)
     keep = torch.zeros(B, H, C, dtype=torch.bool).scatter_(-1, mass.topk(pages, -1).indices, True)
-    got = ranked_decode_attention(q, kv_k, kv_v, valid, pool_slots=C, page_size=S, pages=pages, scale=scale)
+    got = ranked_decode_attention(*inputs, pages=pages, scale=scale)
     assert torch.equal(got.kept, keep)
-    torch.testing.assert_close(got.out, _naive_ranked(q, kv_k, kv_v, valid, C, S, keep, scale), rtol=1e-5, atol=1e-6)
-    lse = ranked_decode_attention(
-        q, kv_k, kv_v, valid, pool_slots=C, page_size=S, pages=pages, scale=scale, want_lse=True
-    ).lse
+    torch.testing.assert_close(got.out, _naive_ranked(*inputs, keep, scale), rtol=1e-5, atol=1e-6)
+    lse = ranked_decode_attention(*inputs, pages=pages, scale=scale, want_lse=True).lse
     assert lse is not None and lse.shape == (B, H * G) and torch.isfinite(lse).all()
 
 

@@ -55,7 +55,7 @@ def test_cuda_pages_move_through_pinned_staging(reuse, lookahead, pool_checks): 
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
     layers = ice_layers(cache)
-    assert all(layer.kv_k.is_cuda and layer.valid.is_cuda for layer in layers)
+    assert all(layer.pool_kv.is_cuda and layer.dense_valid.is_cuda for layer in layers)
     for layer in layers:
         bufs = layer._bufs
         assert all(t.is_pinned() for t in (bufs.queries, bufs.flag, bufs.flush_k, bufs.staging))
@@ -67,16 +67,15 @@ def test_cuda_pages_move_through_pinned_staging(reuse, lookahead, pool_checks): 
 @pytest.mark.parametrize("ranked", [True, False])
 def test_cuda_ranked_attention_equals_the_cpu_reference(ranked):
     """The device path gives the CPU reference's result for the same inputs and selection."""
-    q, kv_k, kv_v, valid, C, S = _ranked_inputs(5, B=2, H=4, G=4, D=64, C=12, S=16, extra=48)
-    keep = None if ranked else torch.rand(valid.shape[0], valid.shape[1], C) < 0.4
-    dev = [t.cuda() for t in (q, kv_k, kv_v, valid)]
+    inputs = _ranked_inputs(5, B=2, H=4, G=4, D=64, C=12, S=16, L=48)
+    B, H, C = inputs[2].shape[:3]
+    keep = None if ranked else torch.rand(B, H, C) < 0.4
     got = ranked_decode_attention(
-        *dev, pool_slots=C, page_size=S, pages=5, scale=0.125, keep=None if keep is None else keep.cuda()
+        *[t.cuda() for t in inputs], pages=5, scale=0.125, keep=None if keep is None else keep.cuda()
     )
-    cpu = ranked_decode_attention(q, kv_k, kv_v, valid, pool_slots=C, page_size=S, pages=5, scale=0.125, keep=keep)
+    cpu = ranked_decode_attention(*inputs, pages=5, scale=0.125, keep=keep)
     assert torch.equal(got.kept.cpu(), cpu.kept)
-    want = _naive_ranked(q, kv_k, kv_v, valid, C, S, cpu.kept, 0.125)
-    torch.testing.assert_close(got.out.cpu(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.out.cpu(), _naive_ranked(*inputs, cpu.kept, 0.125), rtol=1e-4, atol=1e-4)
 
 
 def test_cuda_graphs_decode_like_the_eager_path():

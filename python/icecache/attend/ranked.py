@@ -1,9 +1,10 @@
 """Decode attention over one IceCache layer's device tokens, with the page choice made there.
 
-Each IceCache layer keeps all its device tokens of one kind (K or V) in one buffer
-``[B, H, T, D]``: a pool of ``C`` page slots of ``S`` tokens (``T`` starts with ``C * S`` pool
-tokens), then the sink, then the recent window, with a ``valid`` mask ``[B, H, T]`` saying
-which slots hold a token (semantic pages are partly filled anywhere, the window is a ring).
+Each IceCache layer keeps its device tokens in two buffers, K and V together in each: a pool of
+``C`` page slots of ``S`` tokens per (sequence, KV head), ``[2, B, H, C, S, D]``, and the dense
+tokens that are always attended (the sink and the recent window), ``[2, B, H, L, D]``, each with
+a mask saying which slots hold a token (semantic pages are partly filled anywhere, the window
+is a ring).
 
 One decode step computes the logits of the step's queries against every valid device token
 (a few hundred to a thousand per KV head: cheap on any device). The budget then picks which
@@ -53,68 +54,67 @@ class RankedAttention:
 
 def ranked_decode_attention(
     query: torch.Tensor,
-    kv_k: torch.Tensor,
-    kv_v: torch.Tensor,
-    valid: torch.Tensor,
+    pool_kv: torch.Tensor,
+    pool_valid: torch.Tensor,
+    dense_kv: torch.Tensor,
+    dense_valid: torch.Tensor,
     *,
-    pool_slots: int,
-    page_size: int,
     pages: int,
     scale: float,
     keep: Optional[torch.Tensor] = None,
     want_lse: bool = False,
 ) -> RankedAttention:
-    """Attention of one query token per sequence over sink + window + chosen pool pages.
+    """Attention of one query token per sequence over the dense tokens and chosen pool pages.
 
     Args:
         query: ``[B, H*G, D]``; query head ``j`` reads KV head ``j // G``.
-        kv_k, kv_v: ``[B, H, T, D]`` device tokens; the first ``pool_slots * page_size`` are
-            the page pool.
-        valid: ``[B, H, T]`` bool, slots that hold a token (the others may hold anything
-            finite: they are masked out, not zeroed).
-        pool_slots, page_size: the pool's layout.
+        pool_kv: ``[2, B, H, C, S, D]`` K and V of the page pool (``C`` slots of ``S`` tokens).
+        pool_valid: ``[B, H, C, S]`` bool, pool slots that hold a token.
+        dense_kv: ``[2, B, H, L, D]`` K and V of the tokens that are always attended (sink and
+            window).
+        dense_valid: ``[B, H, L]`` bool, dense slots that hold a token. Invalid slots may hold
+            anything finite: they are masked out, not zeroed.
         pages: most pool pages to attend per (sequence, KV head) when ranking.
         scale: logit scale (usually ``D ** -0.5``).
-        keep: ``[B, H, pool_slots]`` bool, the pool slots to attend (no ranking); ``None``:
-            rank the valid pool pages by group attention mass and keep the ``pages`` heaviest.
+        keep: ``[B, H, C]`` bool, the pool slots to attend (no ranking); ``None``: rank the
+            valid pool pages by group attention mass and keep the ``pages`` heaviest.
         want_lse: also return the log-sum-exp of the attended logits.
 
     Returns:
         A :class:`RankedAttention`. A sequence whose every slot is invalid gets NaN.
     """
-    B, H, T, D = kv_k.shape
+    _, B, H, C, S, D = pool_kv.shape
     Hq = query.shape[1]
     if Hq % H:
         raise ValueError(f"{Hq} query heads do not split into {H} KV heads")
-    P = pool_slots * page_size
-    if P > T or valid.shape != (B, H, T):
-        raise ValueError(f"valid must be [{B}, {H}, {T}] and the pool ({P} tokens) inside T = {T}")
-    G = Hq // H
+    if pool_valid.shape != (B, H, C, S) or dense_valid.shape != dense_kv.shape[1:4]:
+        raise ValueError("pool_valid must be [B, H, C, S] and dense_valid [B, H, L], as the K/V parts")
+    G, P = Hq // H, C * S
     # The group's query heads are the "query positions" of one KV head: [B, H, G, D].
-    q = query.reshape(B, H, G, D).to(kv_k.dtype)
+    q = query.reshape(B, H, G, D).to(pool_kv.dtype)
+    kv = torch.cat([pool_kv.view(2, B, H, P, D), dense_kv], dim=3)
     if keep is None:
-        if pages < pool_slots:
+        if pages < C:
             # Ranking only needs the order of page masses: logits in the storage dtype will do.
-            logits = torch.matmul(q, kv_k.transpose(-1, -2)).float().mul_(scale)
+            valid = torch.cat([pool_valid.view(B, H, P), dense_valid], dim=2)
+            logits = torch.matmul(q, kv[0].transpose(-1, -2)).float().mul_(scale)
             logits.masked_fill_(~valid[:, :, None, :], float("-inf"))
-            mass = torch.softmax(logits, dim=-1)[..., :P].reshape(B, H, G, pool_slots, page_size).sum((2, 4))
+            mass = torch.softmax(logits, dim=-1)[..., :P].reshape(B, H, G, C, S).sum((2, 4))
             top = mass.topk(pages, dim=-1).indices
-            keep = torch.zeros(B, H, pool_slots, dtype=torch.bool, device=kv_k.device).scatter_(-1, top, True)
+            keep = torch.zeros(B, H, C, dtype=torch.bool, device=pool_kv.device).scatter_(-1, top, True)
         else:
-            keep = torch.ones(B, H, pool_slots, dtype=torch.bool, device=kv_k.device)
-    elif keep.shape != (B, H, pool_slots):
-        raise ValueError(f"keep must be [{B}, {H}, {pool_slots}], got {tuple(keep.shape)}")
-    attended = valid.clone()
-    attended[..., :P].view(B, H, pool_slots, page_size).logical_and_(keep[..., None])
-    mask = attended[:, :, None, :]
-    if kv_k.is_cuda:  # cuDNN's backend would plan anew for the mask; the others need no plan
+            keep = torch.ones(B, H, C, dtype=torch.bool, device=pool_kv.device)
+    elif keep.shape != (B, H, C):
+        raise ValueError(f"keep must be [{B}, {H}, {C}], got {tuple(keep.shape)}")
+    mask = torch.cat([(pool_valid & keep[..., None]).view(B, H, P), dense_valid], dim=2)[:, :, None, :]
+    if kv.is_cuda:  # cuDNN's backend would plan anew for the mask; the others need no plan
         with sdpa_kernel(_BACKENDS):
-            out = F.scaled_dot_product_attention(q, kv_k, kv_v, attn_mask=mask, scale=scale)
+            out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale)
     else:
-        out = F.scaled_dot_product_attention(q, kv_k, kv_v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale)
     lse = None
     if want_lse:
-        logits = torch.matmul(q.float(), kv_k.float().transpose(-1, -2)) * scale
+        logits = torch.matmul(q.float(), kv[0].float().transpose(-1, -2)) * scale
         lse = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1).reshape(B, Hq)
     return RankedAttention(out=out.reshape(B, Hq, D).to(query.dtype), kept=keep, lse=lse)
 
@@ -130,7 +130,7 @@ class RankedAttentionGraph:
     float32 for the host.
 
     Args:
-        kv_k, kv_v, valid, pool_slots, page_size, scale: as for :func:`ranked_decode_attention`
+        pool_kv, pool_valid, dense_kv, dense_valid, scale: as for :func:`ranked_decode_attention`
             (the layer's persistent buffers; the graphs read them at replay).
         query_shape, query_dtype: of the step's query ``[B, H*G, D]``.
         pool: a CUDA graph memory pool to share between layers (``torch.cuda.graph_pool_handle``):
@@ -139,28 +139,38 @@ class RankedAttentionGraph:
 
     def __init__(
         self,
-        kv_k: torch.Tensor,
-        kv_v: torch.Tensor,
-        valid: torch.Tensor,
+        pool_kv: torch.Tensor,
+        pool_valid: torch.Tensor,
+        dense_kv: torch.Tensor,
+        dense_valid: torch.Tensor,
         *,
-        pool_slots: int,
-        page_size: int,
         scale: float,
         query_shape: tuple,
         query_dtype: torch.dtype,
         pool: Optional[tuple] = None,
+        host_query: Optional[torch.Tensor] = None,
+        host_flag: Optional[torch.Tensor] = None,
+        counter: Optional[torch.Tensor] = None,
     ):
-        self._args = (kv_k, kv_v, valid)
-        self._layout = dict(pool_slots=pool_slots, page_size=page_size, scale=scale)
-        self._query = torch.zeros(query_shape, dtype=query_dtype, device=kv_k.device)
+        self._args = (pool_kv, pool_valid, dense_kv, dense_valid)
+        self._handoff = (host_query, host_flag, counter) if host_query is not None else None
+        self._scale = scale
+        self._query = torch.zeros(query_shape, dtype=query_dtype, device=pool_kv.device)
         self._pool = pool
         self._graphs: dict = {}
 
     def _run(self, pages: int):
-        res = ranked_decode_attention(self._query, *self._args, pages=pages, **self._layout)
-        return res.out, self._query.float()
+        res = ranked_decode_attention(self._query, *self._args, pages=pages, scale=self._scale)
+        if self._handoff is not None:
+            host_query, host_flag, counter = self._handoff
+            host_query.copy_(self._query.float(), non_blocking=True)
+            counter.add_(1)
+            host_flag.copy_(counter, non_blocking=True)
+        return res.out
 
     def _capture(self, pages: int):
+        # The warm-up runs count too: put the counter back afterwards.
+        before = None if self._handoff is None else self._handoff[2].clone()
         side = torch.cuda.Stream(self._query.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -170,12 +180,14 @@ class RankedAttentionGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._run(pages)
+        if before is not None:
+            self._handoff[2].copy_(before)
         self._graphs[pages] = (graph, outputs)
         return self._graphs[pages]
 
-    def __call__(self, query: torch.Tensor, pages: int):
-        """``(out [B, H*G, D], query as float32)`` of this step; both stay valid until the next
-        call with the same ``pages``."""
+    def __call__(self, query: torch.Tensor, pages: int) -> torch.Tensor:
+        """This step's attention output ``[B, H*G, D]``; valid until the next call with the
+        same ``pages``."""
         self._query.copy_(query)
         graph, outputs = self._graphs.get(pages) or self._capture(pages)
         graph.replay()

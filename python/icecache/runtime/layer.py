@@ -23,10 +23,6 @@ from icecache.runtime.transfer import StepBuffers, Transit
 
 __all__ = ["IceLayer", "Runtime", "RuntimeStats"]
 
-#: Step numbers the device writes into a layer's flag wrap at this value (they only need to
-#: differ from the previous step's).
-_STAMPS = 1 << 16
-
 
 @dataclass
 class RuntimeStats:
@@ -88,7 +84,6 @@ class Runtime:
     #: Query heads of every attention layer (of this process: tensor parallelism shards them).
     query_heads: int = 0
     _worker: Optional[_core.LookAhead] = None
-    _stamps: Optional[torch.Tensor] = None
     _graph_pool: Optional[tuple] = None
 
     def __post_init__(self) -> None:
@@ -108,15 +103,6 @@ class Runtime:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         return self._graph_pool
-
-    def stamp(self, step: int) -> Optional[torch.Tensor]:
-        """A device tensor holding ``step`` (a view into a table made once): copying it to a
-        pinned flag writes the step number behind the device's queued work."""
-        if self.device.type != "cuda":
-            return None
-        if self._stamps is None:
-            self._stamps = torch.arange(_STAMPS, dtype=torch.int64, device=self.device)
-        return self._stamps[step : step + 1]
 
     def submit(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the index worker: one thread, jobs in submission order (so a
@@ -157,9 +143,10 @@ class IceLayer(CacheLayerMixin):
     semantic page order, indexed by a :class:`PageIndex`. Each decode token joins the window;
     when the window is full its oldest page of tokens goes to the index.
 
-    Device layout, per K and V: one buffer ``[B, H_kv, T, D]`` holding the page pool
-    (``device_pages`` slots of ``page_size`` tokens), the sink and the window, a ring of
-    ``window + page_size`` slots, with a ``valid`` mask ``[B, H_kv, T]``.
+    Device layout: the page pool ``[2, B, H_kv, device_pages, page_size, D]`` (K and V) and the
+    dense tokens ``[2, B, H_kv, sink + window + page_size, D]``: the sink, then the window as a
+    ring with room for a flushed page that is still attended; each with a mask of the slots
+    that hold a token.
 
     Decode step of this layer (see ``docs/ARCHITECTURE.md``): take the host job's outcome (with
     look-ahead, the job was started one step earlier from the previous queries and normally
@@ -197,6 +184,7 @@ class IceLayer(CacheLayerMixin):
         self._prompt = None
         self.jobs: Optional[_core.LookAheadLayer] = None
         self._graph: Optional[RankedAttentionGraph] = None
+        self._counter: Optional[torch.Tensor] = None
         self.steps = 0
 
     # ------------------------------------------------------------------ transformers API
@@ -207,18 +195,18 @@ class IceLayer(CacheLayerMixin):
         self.device, self.dtype = self.runtime.device, key_states.dtype
         self.batch, self.heads, self.dim = B, H, D
         C, S = cfg.device_pages, cfg.page_size
-        self.pool_tokens = C * S
         self.ring = cfg.window + S  # room for a flushed page that is still attended
-        T = self.pool_tokens + cfg.sink + self.ring
-        # K and V in one buffer, so that one scatter loads a step's pages of both.
-        self.kv = torch.zeros(2, B, H, T, D, dtype=self.dtype, device=self.device)
-        self.kv_k, self.kv_v = self.kv[0], self.kv[1]
-        self._pool_kv = self.kv[:, :, :, : C * S].view(2, B * H, C, S, D)
-        self.valid = torch.zeros(B, H, T, dtype=torch.bool, device=self.device)
-        self.pool_k, self.pool_v = (t[:, :, : self.pool_tokens].view(B, H, C, S, D) for t in (self.kv_k, self.kv_v))
-        self.pool_valid = self.valid[:, :, : self.pool_tokens].view(B * H, C, S)
-        self._sink_at, self._ring_at = self.pool_tokens, self.pool_tokens + cfg.sink
-        self._slot_ar = torch.arange(S, device=self.device)
+        L = cfg.sink + self.ring
+        # K and V together, so that one copy loads a step's pages of both: the page pool
+        # [2, B, H, C, S, D] and the dense tokens (sink, then the window ring) [2, B, H, L, D].
+        self.pool_kv = torch.zeros(2, B, H, C, S, D, dtype=self.dtype, device=self.device)
+        self.dense_kv = torch.zeros(2, B, H, L, D, dtype=self.dtype, device=self.device)
+        self.pool_valid = torch.zeros(B, H, C, S, dtype=torch.bool, device=self.device)
+        self.dense_valid = torch.zeros(B, H, L, dtype=torch.bool, device=self.device)
+        self.pool_k, self.pool_v = self.pool_kv[0], self.pool_kv[1]
+        self._pool_rows = self.pool_kv.view(2, B * H * C, S * D)
+        self._pool_masks = self.pool_valid.view(B * H * C, S)
+        self._ring_at = cfg.sink
         # Per sequence: valid sink tokens; the window's oldest ring slot and its tokens; how
         # many of its oldest tokens were flushed to a job that has not been applied yet.
         self.sink_len = [0] * B
@@ -319,12 +307,11 @@ class IceLayer(CacheLayerMixin):
             n = kb.shape[1]
             s = min(cfg.sink, n)
             w = min(cfg.window, n - s)
-            sink = slice(self._sink_at, self._sink_at + s)
             ring = slice(self._ring_at, self._ring_at + w)
-            self.kv_k[b, :, sink], self.kv_v[b, :, sink] = kb[:, :s], vb[:, :s]
-            self.kv_k[b, :, ring], self.kv_v[b, :, ring] = kb[:, n - w :], vb[:, n - w :]
-            self.valid[b, :, sink] = True
-            self.valid[b, :, ring] = True
+            self.dense_kv[0, b, :, :s], self.dense_kv[1, b, :, :s] = kb[:, :s], vb[:, :s]
+            self.dense_kv[0, b, :, ring], self.dense_kv[1, b, :, ring] = kb[:, n - w :], vb[:, n - w :]
+            self.dense_valid[b, :, :s] = True
+            self.dense_valid[b, :, ring] = True
             self.sink_len[b], self.win_start[b], self.win_len[b] = s, 0, w
             if n - s - w > 0:
                 middles.append((b, kb[:, s : n - w], vb[:, s : n - w]))
@@ -359,9 +346,9 @@ class IceLayer(CacheLayerMixin):
                 self._copy_flush(b, first)
                 self._flushed[b] = ps
             slot = self._ring_at + (self.win_start[b] + self.win_len[b]) % R
-            self.kv_k[b, :, slot] = k[b, :, 0]
-            self.kv_v[b, :, slot] = v[b, :, 0]
-            self.valid[b, :, slot] = True
+            self.dense_kv[0, b, :, slot] = k[b, :, 0]
+            self.dense_kv[1, b, :, slot] = v[b, :, 0]
+            self.dense_valid[b, :, slot] = True
             self.win_len[b] += 1
 
     def _copy_flush(self, b: int, first: int) -> None:
@@ -371,7 +358,7 @@ class IceLayer(CacheLayerMixin):
         ps, R = self.runtime.config.page_size, self.ring
         bufs = self._buffers()
         cut = min(ps, R - first)  # the ring may wrap inside the page
-        for dst, src in ((bufs.flush_k, self.kv_k), (bufs.flush_v, self.kv_v)):
+        for dst, src in ((bufs.flush_k, self.dense_kv[0]), (bufs.flush_v, self.dense_kv[1])):
             at = self._ring_at + first
             dst[b, :, :cut].copy_(src[b, :, at : at + cut], non_blocking=True)
             if cut < ps:
@@ -387,10 +374,10 @@ class IceLayer(CacheLayerMixin):
             slots = [(first + i) % R + self._ring_at for i in range(m)]
             lo, hi = slots[0], slots[-1]
             if hi >= lo:
-                self.valid[b, :, lo : hi + 1] = False
+                self.dense_valid[b, :, lo : hi + 1] = False
             else:
-                self.valid[b, :, lo : self._ring_at + R] = False
-                self.valid[b, :, self._ring_at : hi + 1] = False
+                self.dense_valid[b, :, lo : self._ring_at + R] = False
+                self.dense_valid[b, :, self._ring_at : hi + 1] = False
             self.win_start[b] = (first + m) % R
             self.win_len[b] -= m
             self._in_job[b] = 0
@@ -455,17 +442,21 @@ class IceLayer(CacheLayerMixin):
                 self.histories[b].reserve(self.histories[b].n + cfg.page_size)
             self._lend(b)
         self._scale = scale
+        # Device step counter: written to the host flag behind each step's queries.
+        self._counter = torch.zeros(1, dtype=torch.int64, device=self.device) if self.device.type == "cuda" else None
         if cfg.lookahead and cfg.cuda_graphs and self.device.type == "cuda":
             self._graph = RankedAttentionGraph(
-                self.kv_k,
-                self.kv_v,
-                self.valid,
-                pool_slots=cfg.device_pages,
-                page_size=cfg.page_size,
+                self.pool_kv,
+                self.pool_valid,
+                self.dense_kv,
+                self.dense_valid,
                 scale=scale,
                 query_shape=(self.batch, query_heads, self.dim),
                 query_dtype=self.dtype,
                 pool=self.runtime.graph_pool(),
+                host_query=bufs.queries,
+                host_flag=bufs.flag,
+                counter=self._counter,
             )
 
     def _indexed_pages(self, b: int) -> int:
@@ -481,10 +472,11 @@ class IceLayer(CacheLayerMixin):
             k_hist, v_hist = self.histories[b].views()
             self.jobs.set_lane(b, *store.views(), k_history=k_hist, v_history=v_hist)
 
-    def _start_job(self, query: torch.Tensor, now: bool) -> None:
+    def _start_job(self, query: torch.Tensor, now: bool, handed_off: bool = False) -> None:
         """Hand this step's queries (and flushed tokens) to the host and start the job that
         prepares the next step: run now (``now``: fresh selection, first step) or queued
-        behind a flag the device writes after the queries (look-ahead)."""
+        behind a flag the device writes after the queries (look-ahead; ``handed_off``: the
+        layer's CUDA graph copied the queries and wrote the flag already)."""
         bufs = self._buffers()
         flushed, self._flushed = self._flushed, [0] * self.batch
         self._in_job = list(flushed)
@@ -506,20 +498,21 @@ class IceLayer(CacheLayerMixin):
             if grown:
                 self._lend(b)
         lens = None if self.leader is None else [h.n for h in self.histories]
-        bufs.queries.copy_(query.float(), non_blocking=not now)
         if now:
+            bufs.queries.copy_(query)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             self.jobs.start(flushed, history_lens=lens)
             return
         self.steps += 1
-        stamp = self.steps % _STAMPS
-        device_stamp = self.runtime.stamp(stamp)
-        if device_stamp is None:
-            bufs.flag[0] = stamp  # CPU: the queries are in place already
-        else:
-            bufs.flag.copy_(device_stamp, non_blocking=True)
-        self.jobs.start(flushed, step=stamp, history_lens=lens)
+        if not handed_off:
+            bufs.queries.copy_(query.float(), non_blocking=True)
+            if self._counter is None:
+                bufs.flag[0] = self.steps  # CPU: the queries are in place already
+            else:
+                self._counter.add_(1)
+                bufs.flag.copy_(self._counter, non_blocking=True)
+        self.jobs.start(flushed, step=self.steps, history_lens=lens)
 
     def _first_pages(self, flushed: List[int]) -> None:
         """Build the index of a sequence whose prompt fit in sink and window from its first
@@ -547,27 +540,24 @@ class IceLayer(CacheLayerMixin):
             self._lend(b)
 
     def _apply(self, o: _core.LookAheadOutcome) -> Optional[torch.Tensor]:
-        """Bring the job's pages to the device pool and its metadata into the masks; returns
-        the selection's pool slots ``[B, H, width]`` (rank order, -1 past the count) when
-        fresh selection needs them."""
+        """Bring the job's pages to the device pool and its masks up to date, in one upload and
+        two copies (layout in ``icecache._core.LookAheadOutcome``); returns the selection's pool
+        slots ``[B, H, width]`` (rank order, -1 past the count) when fresh selection needs them."""
         cfg = self.runtime.config
-        B, H, S = self.batch, self.heads, cfg.page_size
         fresh = not cfg.lookahead
         table = None
         if o.loads or o.clears or fresh:
             dev = self._buffers().upload(o.end)
-            meta = dev[: 4 * o.meta_len].view(torch.int32)
             n, c = o.loads, o.clears
             if n:
-                bh, slot = meta[:n], meta[n : 2 * n]
-                rows = dev[o.rows_at : o.end].view(self.dtype).view(2, n, S, self.dim)
-                self._pool_kv[:, bh, slot] = rows
-                self.pool_valid[bh, slot] = self._slot_ar < meta[2 * n : 3 * n, None]
-            if c:
-                self.pool_valid[meta[3 * n : 3 * n + c], meta[3 * n + c : 3 * n + 2 * c]] = False
+                rows = dev[o.rows_at : o.end].view(self.dtype).view(2, n, -1)
+                self._pool_rows.index_copy_(1, dev[: 8 * n].view(torch.int64), rows)
+            if n or c:
+                masks = dev[o.mask_at : o.mask_at + (n + c) * cfg.page_size].view(torch.bool).view(n + c, -1)
+                self._pool_masks.index_copy_(0, dev[8 * n : o.table_at].view(torch.int64), masks)
             if fresh:
-                at = 3 * n + 2 * c
-                table = meta[at : at + B * H * o.width].view(B, H, o.width)
+                table = dev[o.table_at : o.table_at + 4 * self.batch * self.heads * o.width].view(torch.int32)
+                table = table.view(self.batch, self.heads, o.width)
         self._drop_flushed()
         return table
 
@@ -596,17 +586,16 @@ class IceLayer(CacheLayerMixin):
         # The budget: sink + window (+ a flushed page still attended) + pages.
         window = max(self.win_len)
         pages = max(0, min(cfg.retrieved_pages, (cfg.budget - max(self.sink_len) - window) // cfg.page_size))
-        handoff = q
+        handed_off = False
         if keep is None and self._graph is not None and not rt.track_recall:
-            out, handoff = self._graphed(q, pages)
+            out, handed_off = self._graphed(q, pages)
         else:
             res = ranked_decode_attention(
                 q,
-                self.kv_k,
-                self.kv_v,
-                self.valid,
-                pool_slots=cfg.device_pages,
-                page_size=cfg.page_size,
+                self.pool_kv,
+                self.pool_valid,
+                self.dense_kv,
+                self.dense_valid,
                 pages=pages,
                 scale=scale,
                 keep=keep,
@@ -618,7 +607,7 @@ class IceLayer(CacheLayerMixin):
             self._track_recall(q, res, outcome, pages, scale)
             stats.recall_s += time.perf_counter() - t3
         if cfg.lookahead:
-            self._start_job(handoff, now=False)
+            self._start_job(q, now=False, handed_off=handed_off)
 
         stats.layer_steps += 1
         stats.wait_s += t1 - t0
@@ -632,26 +621,20 @@ class IceLayer(CacheLayerMixin):
         return out[:, None].to(query.device)
 
     def _graphed(self, q: torch.Tensor, pages: int) -> tuple:
-        """Ranking and attention replayed from this layer's CUDA graphs; ``(out, q as float32)``.
-        A capture that fails leaves the layer on the eager path for good (with a warning)."""
+        """Ranking, attention and the hand-off of the queries replayed from this layer's CUDA
+        graphs; ``(out, True)``. A capture that fails leaves the layer on the eager path for good
+        (with a warning); ``(out, False)``: the queries still need handing off."""
         try:
-            return self._graph(q, pages)
+            return self._graph(q, pages), True
         except RuntimeError as exc:
             warnings.warn(
                 f"IceCache layer {self.layer_idx}: CUDA graph capture failed ({exc}); eager from now on", stacklevel=2
             )
             self._graph = None
             res = ranked_decode_attention(
-                q,
-                self.kv_k,
-                self.kv_v,
-                self.valid,
-                pool_slots=self.runtime.config.device_pages,
-                page_size=self.runtime.config.page_size,
-                pages=pages,
-                scale=self._scale,
+                q, self.pool_kv, self.pool_valid, self.dense_kv, self.dense_valid, pages=pages, scale=self._scale
             )
-            return res.out, q
+            return res.out, False
 
     def _track_recall(self, q: torch.Tensor, res, outcome: _core.LookAheadOutcome, pages: int, scale: float) -> None:
         """Measurements for evaluation (``track_recall``), after this step's attention.
@@ -663,8 +646,8 @@ class IceLayer(CacheLayerMixin):
         have attended (its first ``pages`` pages): what the device's ranking changed."""
         G = q.shape[1] // self.heads
         indexes = self.indexes if self.leader is None else self.leader.indexes
-        dense_valid = self.valid[:, :, self.pool_tokens :].cpu()
-        dense_k = self.kv_k[:, :, self.pool_tokens :].cpu().float()
+        dense_valid = self.dense_valid.cpu()
+        dense_k = self.dense_kv[0].cpu().float()
         for b, index in enumerate(indexes):
             qb = q[b].cpu().float().view(self.heads, G, self.dim)
             dense = torch.einsum("hgd,htd->hgt", qb, dense_k[b]) * scale
@@ -681,11 +664,11 @@ class IceLayer(CacheLayerMixin):
             return
         # The applied job's table (superset slots in the host's rank order) is still in the
         # host staging: the next job writes it only after this step's flag.
-        at = 3 * outcome.loads + 2 * outcome.clears
-        meta = self._buffers().staging[: 4 * outcome.meta_len].numpy().view(np.int32)
-        table = meta[at : at + self.batch * self.heads * outcome.width].reshape(self.batch, self.heads, -1)
+        entries = self.batch * self.heads * outcome.width
+        staged = self._buffers().staging[outcome.table_at : outcome.table_at + 4 * entries]
+        table = staged.numpy().view(np.int32).reshape(self.batch, self.heads, -1)
         kept = res.kept.cpu().numpy()
-        occupied = self.pool_valid.view(self.batch, self.heads, -1, self.runtime.config.page_size).any(-1).cpu().numpy()
+        occupied = self.pool_valid.any(-1).cpu().numpy()
         moved = total_kept = 0
         for b, h in np.ndindex(self.batch, self.heads):
             host_top = set(table[b, h][table[b, h] >= 0][:pages].tolist())
@@ -700,7 +683,7 @@ class IceLayer(CacheLayerMixin):
         if not self.is_initialized:
             return {"device": 0, "host": 0}
         self.runtime.wait_indexed()
-        dev = self.kv.numel() * self.kv.element_size()
+        dev = sum(t.numel() * t.element_size() for t in (self.pool_kv, self.dense_kv))
         host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
         if self.leader is not None:
             host += sum(h.k.numel() * h.k.element_size() * 2 for h in self.histories)
