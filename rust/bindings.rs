@@ -742,6 +742,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<lookahead::PyLookAhead>()?;
     m.add_class::<lookahead::PyLookAheadLayer>()?;
     m.add_class::<lookahead::PyOutcome>()?;
+    m.add_class::<lookahead::PyStagingLayout>()?;
     m.add_function(wrap_pyfunction!(gather_pages, m)?)?;
     Ok(())
 }

@@ -29,7 +29,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{ensure, Error, Result};
-use crate::load::{gather_pages, LoadPlan, ResidentPages};
+use crate::load::{LoadPlan, ResidentPages};
 use crate::pages::HeadForest;
 use crate::select::SelectParams;
 
@@ -230,25 +230,22 @@ struct LanePlan {
     changed: Vec<Vec<(u32, Vec<u32>)>>,
 }
 
-/// Where a finished job left its results in the staging buffer, and what it did.
-///
-/// Staging layout, all offsets in bytes, so that the device applies a step in two copies:
-/// - from 0: int64 `load_idx [loads]`, the device slot of each loaded page as
-///   `(b·H_kv + head)·capacity + slot`, then int64 `mask_idx [loads + clears]`, the slots whose
-///   valid-token mask changes (the loaded ones, then those cleared because their page changed
-///   and was not selected again);
+/// What a finished job did; its results are in the staging buffer, laid out as
+/// [`StagingLayout`] says (offsets in bytes):
+/// - from 0: int64 `load_idx [max_loads]`, the device slot of each loaded page as
+///   `(b·H_kv + head)·capacity + slot` (`trash` past `loads`), then int64 `mask_idx
+///   [max_masks]`, the slots whose valid-token mask changes: the loaded ones, then those cleared
+///   because their page changed and was not selected again (`trash` past `loads + clears`);
 /// - from `table_at`: int32 `table [B·H_kv·width]`, the device slot of each selected page in
 ///   rank order (-1 past the head's count), then int32 `table_len`, its valid tokens;
-/// - from `mask_at`: `[loads + clears, page_size]` bytes, 1 where the slot holds a token;
-/// - from `rows_at`: the K rows `[loads, page_size, d]`, then the V rows, up to `end`.
+/// - from `mask_at`: `[max_masks, page_size]` bytes, 1 where the slot holds a token;
+/// - from `rows_at`: `[loads, 2, page_size, d]`, each loaded page's K then V rows, up to `end`
+///   (the used prefix of the buffer).
 #[derive(Debug, Default)]
 pub struct Outcome {
     pub loads: usize,
     pub clears: usize,
     pub width: usize,
-    pub table_at: usize,
-    pub mask_at: usize,
-    pub rows_at: usize,
     pub end: usize,
     /// Pages selected, summed over sequences and KV heads.
     pub selected: usize,
@@ -268,13 +265,35 @@ impl Outcome {
     }
 }
 
-/// Largest staging buffer a job over `batch` sequences may need: every (sequence, KV head)
-/// loads at most `width` pages and clears at most `capacity` slots.
-pub fn staging_bytes(g: &Geometry, batch: usize, width: usize, capacity: usize) -> usize {
-    let lanes = batch * g.heads;
-    let (loads, masks) = (lanes * width, lanes * (width + capacity));
-    let meta = 8 * (loads + masks) + 4 * 2 * lanes * width + masks * g.page_size;
-    meta.div_ceil(ROW_ALIGN) * ROW_ALIGN + 2 * loads * g.page_bytes()
+/// The fixed layout of a layer's staging buffer (see [`Outcome`]): every region has room for
+/// the most a job can write, padded entries name the device pool's trash slot, so that the
+/// device applies any step with the same operations (one CUDA graph) and only the used prefix
+/// of the buffer needs copying.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingLayout {
+    /// Load entries: every (sequence, KV head) loads at most `width` pages.
+    pub max_loads: usize,
+    /// Mask entries: the loads, and at most `capacity` cleared slots per (sequence, KV head).
+    pub max_masks: usize,
+    /// Slot id of the trash slot, one past the pool's `batch · heads · capacity` slots.
+    pub trash: usize,
+    pub table_at: usize,
+    pub mask_at: usize,
+    pub rows_at: usize,
+    /// Bytes of the whole buffer.
+    pub bytes: usize,
+}
+
+impl StagingLayout {
+    pub fn new(g: &Geometry, batch: usize, width: usize, capacity: usize) -> StagingLayout {
+        let lanes = batch * g.heads;
+        let (max_loads, max_masks) = (lanes * width, lanes * (width + capacity));
+        let table_at = 8 * (max_loads + max_masks);
+        let mask_at = table_at + 8 * lanes * width;
+        let rows_at = (mask_at + max_masks * g.page_size).div_ceil(ROW_ALIGN) * ROW_ALIGN;
+        let bytes = rows_at + 2 * max_loads * g.page_bytes();
+        StagingLayout { max_loads, max_masks, trash: lanes * capacity, table_at, mask_at, rows_at, bytes }
+    }
 }
 
 /// A submitted job: finished once, with its outcome or an error message.
@@ -679,49 +698,56 @@ fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()>
 fn write_staging(g: &Geometry, out: &mut Outcome, stores: &[(HostBuf, HostBuf)], staging: HostBuf) -> Result<()> {
     let (h, s) = (g.heads, g.page_size);
     let lanes = &out.lanes;
+    let capacity = lanes.first().map_or(1, |l| l.capacity);
+    let layout = StagingLayout::new(g, lanes.len(), out.width, capacity);
     let (n, c) = (lanes.iter().map(|l| l.plan.pages.len()).sum(), lanes.iter().map(|l| l.plan.cleared.len()).sum());
+    ensure!(n <= layout.max_loads && n + c <= layout.max_masks, "a job planned more loads than its layout holds");
     out.loads = n;
     out.clears = c;
     out.selected = lanes.iter().map(|l| l.plan.table.iter().filter(|&&x| x >= 0).count()).sum();
-    let table_len: usize = lanes.iter().map(|l| l.plan.table.len()).sum();
-    out.table_at = 8 * (2 * n + c);
-    out.mask_at = out.table_at + 8 * table_len;
-    out.rows_at = (out.mask_at + (n + c) * s).div_ceil(ROW_ALIGN) * ROW_ALIGN;
     let pb = g.page_bytes();
-    out.end = out.rows_at + 2 * n * pb;
+    out.end = layout.rows_at + 2 * n * pb;
     let buf = staging.slice_mut::<u8>("staging")?;
-    ensure!(out.end <= buf.len(), "staging holds {} bytes, this step needs {}", buf.len(), out.end);
-    let (meta, rows) = buf.split_at_mut(out.rows_at);
-    let slot_id = |b: usize, head: i32, slot: i32, capacity: usize| ((b * h + head as usize) * capacity) as i64 + slot as i64;
-    let mut ids: Vec<i64> = Vec::with_capacity(2 * n + c);
+    ensure!(layout.bytes <= buf.len(), "staging holds {} bytes, this layer's jobs need {}", buf.len(), layout.bytes);
+    let (meta, rows) = buf.split_at_mut(layout.rows_at);
+    let slot_id = |b: usize, head: i32, slot: i32| ((b * h + head as usize) * capacity) as i64 + slot as i64;
+    let trash = layout.trash as i64;
+    let mut ids: Vec<i64> = Vec::with_capacity(layout.max_loads + layout.max_masks);
     for (b, l) in lanes.iter().enumerate() {
-        ids.extend(l.plan.heads.iter().zip(&l.plan.slots).map(|(&hd, &sl)| slot_id(b, hd, sl, l.capacity)));
+        ids.extend(l.plan.heads.iter().zip(&l.plan.slots).map(|(&hd, &sl)| slot_id(b, hd, sl)));
     }
+    ids.resize(layout.max_loads, trash);
     ids.extend_from_within(..n);
     for (b, l) in lanes.iter().enumerate() {
-        ids.extend(l.plan.cleared.iter().map(|&(hd, sl)| slot_id(b, hd, sl, l.capacity)));
+        ids.extend(l.plan.cleared.iter().map(|&(hd, sl)| slot_id(b, hd, sl)));
     }
-    for (o, x) in meta[..out.table_at].chunks_exact_mut(8).zip(&ids) {
+    ids.resize(layout.max_loads + layout.max_masks, trash);
+    for (o, x) in meta[..layout.table_at].chunks_exact_mut(8).zip(&ids) {
         o.copy_from_slice(&x.to_ne_bytes());
     }
     let tables = lanes.iter().flat_map(|l| l.plan.table.iter()).chain(lanes.iter().flat_map(|l| l.table_len.iter()));
-    for (o, x) in meta[out.table_at..out.mask_at].chunks_exact_mut(4).zip(tables) {
+    for (o, x) in meta[layout.table_at..layout.mask_at].chunks_exact_mut(4).zip(tables) {
         o.copy_from_slice(&x.to_ne_bytes());
     }
     let lens = lanes.iter().flat_map(|l| l.load_len.iter().copied()).chain(std::iter::repeat_n(0, c));
-    for (row, len) in meta[out.mask_at..out.mask_at + (n + c) * s].chunks_exact_mut(s).zip(lens) {
+    for (row, len) in meta[layout.mask_at..layout.mask_at + (n + c) * s].chunks_exact_mut(s).zip(lens) {
         row.iter_mut().enumerate().for_each(|(i, x)| *x = u8::from((i as i32) < len));
     }
-    let (k_rows, v_rows) = rows[..2 * out.loads * pb].split_at_mut(out.loads * pb);
-    let mut at = 0;
+    // Page rows: K then V of each loaded page, in plan order (sorted by store address).
+    let mut sources = Vec::with_capacity(n);
     for (l, (ks, vs)) in lanes.iter().zip(stores) {
-        let n = l.plan.pages.len();
-        if n == 0 {
-            continue;
-        }
         let (ks, vs) = (ks.slice::<u8>("k_store")?, vs.slice::<u8>("v_store")?);
-        gather_pages(ks, vs, h, pb, &l.plan.heads, &l.plan.pages, &mut k_rows[at..at + n * pb], &mut v_rows[at..at + n * pb])?;
-        at += n * pb;
+        ensure!(ks.len() == vs.len() && ks.len() % (h * pb) == 0, "stores must be [{h}, P, {s}, {}]", g.dim);
+        let p = ks.len() / (h * pb);
+        for (&hd, &pg) in l.plan.heads.iter().zip(&l.plan.pages) {
+            ensure!((pg as usize) < p, "page {pg} out of range (stores hold {p})");
+            let at = (hd as usize * p + pg as usize) * pb;
+            sources.push((&ks[at..at + pb], &vs[at..at + pb]));
+        }
     }
+    rows[..2 * n * pb].par_chunks_mut(2 * pb).zip(sources).for_each(|(row, (k, v))| {
+        row[..pb].copy_from_slice(k);
+        row[pb..].copy_from_slice(v);
+    });
     Ok(())
 }

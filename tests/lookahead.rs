@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use icecache::lookahead::{
-    staging_bytes, Elem, FollowerLane, Flush, Geometry, HostBuf, Job, LeaderLane, LookAhead, Outcome, Ready, Work,
+    Elem, FollowerLane, Flush, Geometry, HostBuf, Job, LeaderLane, LookAhead, Outcome, Ready, StagingLayout, Work,
 };
 use icecache::{Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
 use rand::rngs::StdRng;
@@ -85,31 +85,41 @@ struct Meta {
     clear_bh: Vec<i32>,
     table: Vec<i32>,
     table_len: Vec<i32>,
+    rows_at: usize,
+}
+
+fn staging_bytes(g: &Geometry, batch: usize, width: usize, capacity: usize) -> usize {
+    StagingLayout::new(g, batch, width, capacity).bytes
 }
 
 /// Reads the staging layout of `Outcome` back (one sequence; `capacity` device slots per head).
 fn meta(o: &Outcome, staging: &[u8], capacity: usize) -> Meta {
+    let l = StagingLayout::new(&geometry(), 1, o.width, capacity);
     let i64s: Vec<i64> =
-        staging[..o.table_at].chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect();
+        staging[..l.table_at].chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect();
     let i32s: Vec<i32> =
-        staging[o.table_at..o.mask_at].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect();
+        staging[l.table_at..l.mask_at].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect();
     let (n, c, t) = (o.loads, o.clears, H * o.width);
-    assert_eq!(i64s.len(), 2 * n + c);
-    assert_eq!(i64s[..n], i64s[n..2 * n], "the mask rows start with the loaded slots");
-    let mask = &staging[o.mask_at..o.mask_at + (n + c) * S];
+    let (loads, masks) = i64s.split_at(l.max_loads);
+    let trash = l.trash as i64;
+    assert!(loads[n..].iter().chain(&masks[n + c..]).all(|&x| x == trash), "padding names the trash slot");
+    assert_eq!(loads[..n], masks[..n], "the mask rows start with the loaded slots");
+    let mask = &staging[l.mask_at..l.mask_at + (n + c) * S];
     let lens: Vec<i32> = mask.chunks_exact(S).map(|r| r.iter().map(|&x| x as i32).sum()).collect();
     for (row, &len) in mask.chunks_exact(S).zip(&lens) {
         assert!(row.iter().enumerate().all(|(i, &x)| (x == 1) == ((i as i32) < len)), "mask rows are prefixes");
     }
     assert!(lens[n..].iter().all(|&l| l == 0), "cleared slots hold no token");
+    assert_eq!(o.end, l.rows_at + 2 * n * S * D * 4);
     let cap = capacity as i64;
     Meta {
-        load_bh: i64s[..n].iter().map(|&x| (x / cap) as i32).collect(),
-        load_slot: i64s[..n].iter().map(|&x| (x % cap) as i32).collect(),
+        load_bh: loads[..n].iter().map(|&x| (x / cap) as i32).collect(),
+        load_slot: loads[..n].iter().map(|&x| (x % cap) as i32).collect(),
         load_len: lens[..n].to_vec(),
-        clear_bh: i64s[2 * n..].iter().map(|&x| (x / cap) as i32).collect(),
+        clear_bh: masks[n..n + c].iter().map(|&x| (x / cap) as i32).collect(),
         table: i32s[..t].to_vec(),
         table_len: i32s[t..].to_vec(),
+        rows_at: l.rows_at,
     }
 }
 
@@ -125,7 +135,10 @@ fn check_rows(l: &Layer, o: &Outcome, m: &Meta, staging: &[u8]) {
         // Which page went to that slot: find it in the table of this head.
         let pos = (0..o.width).find(|&j| table_pages[head * o.width + j] == m.load_slot[i]).expect("loaded slot in table");
         assert_eq!(m.table_len[head * o.width + pos], m.load_len[i]);
-        let row = &staging[o.rows_at + i * page_bytes..o.rows_at + (i + 1) * page_bytes];
+        // K then V of each loaded page: keys equal values in these tests.
+        let row = &staging[m.rows_at + 2 * i * page_bytes..m.rows_at + (2 * i + 1) * page_bytes];
+        let v_row = &staging[m.rows_at + (2 * i + 1) * page_bytes..m.rows_at + (2 * i + 2) * page_bytes];
+        assert_eq!(row, v_row);
         let floats: Vec<f32> = row.chunks_exact(4).map(|c| f32::from_ne_bytes(c.try_into().unwrap())).collect();
         // The row equals some page of the store with that length.
         let found = (0..f.num_pages(head).unwrap()).any(|pg| {

@@ -23,6 +23,7 @@ from icecache.attend import attention_recall, ranked_decode_attention, sparse_de
 from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 from icecache.runtime.layer import IceLayer  # noqa: E402
 from icecache.runtime.pages import PageIndex  # noqa: E402
+from icecache.runtime.step import DeviceStep  # noqa: E402
 from transformers import (  # noqa: E402
     DynamicCache,
     Gemma3ForCausalLM,
@@ -120,7 +121,7 @@ def ice_layers(cache):
 
 
 def check_pool(layer):
-    """Right after a layer applied its host job's outcome: every pool slot holds exactly the
+    """Right after a layer's device step applied its host job's outcome: every pool slot holds exactly the
     page the residency map puts there, as in the CPU store (so no stale copy survived an
     insert), and empty slots are masked out. A reusing layer's pool mirrors its leader's as the
     leader applied the same step's plan (the map may have moved on since: the leader's next job
@@ -167,17 +168,22 @@ def _layout(index):
 
 @pytest.fixture
 def pool_checks(monkeypatch):
-    """Checks every pool (:func:`check_pool`) each time a layer applies a job; yields the list
-    of page counts compared."""
-    counts = []
-    apply = IceLayer._apply
+    """Checks every pool (:func:`check_pool`) each time a layer's device step has applied a
+    job (before the layer starts its next job); yields the list of page counts compared."""
+    counts, layer_of = [], {}
+    open_jobs, step = IceLayer._open_jobs, DeviceStep.__call__
 
-    def checked_apply(self, outcome):
-        out = apply(self, outcome)
-        counts.append(check_pool(self))
+    def opened(self, *args):
+        open_jobs(self, *args)
+        layer_of[id(self._step)] = self
+
+    def stepped(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        counts.append(check_pool(layer_of[id(self)]))
         return out
 
-    monkeypatch.setattr(IceLayer, "_apply", checked_apply)
+    monkeypatch.setattr(IceLayer, "_open_jobs", opened)
+    monkeypatch.setattr(DeviceStep, "__call__", stepped)
     return counts
 
 

@@ -16,7 +16,8 @@ use pyo3::prelude::*;
 
 use super::{numpy_of, to_py, PyHeadForest, PyResidentPages};
 use crate::lookahead::{
-    Elem, FollowerLane, Flush, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, Work,
+    Elem, FollowerLane, Flush, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, StagingLayout,
+    Work,
 };
 use crate::select::SelectParams;
 
@@ -84,9 +85,6 @@ pub struct PyOutcome {
     loads: usize,
     clears: usize,
     width: usize,
-    table_at: usize,
-    mask_at: usize,
-    rows_at: usize,
     end: usize,
     selected: usize,
     wait_s: f64,
@@ -101,9 +99,6 @@ impl From<&Outcome> for PyOutcome {
             loads: o.loads,
             clears: o.clears,
             width: o.width,
-            table_at: o.table_at,
-            mask_at: o.mask_at,
-            rows_at: o.rows_at,
             end: o.end,
             selected: o.selected,
             wait_s: o.wait_s,
@@ -122,6 +117,18 @@ impl PyOutcome {
             self.loads, self.clears, self.width, self.selected, self.end
         )
     }
+}
+
+/// Byte offsets and sizes of a layer's staging buffer. See ``icecache/_core.pyi``.
+#[pyclass(name = "StagingLayout", module = "icecache._core", frozen, get_all)]
+pub struct PyStagingLayout {
+    max_loads: usize,
+    max_masks: usize,
+    trash: usize,
+    table_at: usize,
+    mask_at: usize,
+    rows_at: usize,
+    bytes: usize,
 }
 
 /// One sequence's buffers.
@@ -452,11 +459,11 @@ impl PyLookAheadLayer {
         st.lanes.iter_mut().for_each(|l| *l = None);
     }
 
-    /// Largest staging buffer (bytes) one job may need. See ``icecache/_core.pyi``.
+    /// The fixed layout of a layer's staging buffer. See ``icecache/_core.pyi``.
     #[staticmethod]
     #[pyo3(signature = (*, batch, kv_heads, dim, page_size, itemsize, max_pages, capacity))]
     #[allow(clippy::too_many_arguments)]
-    fn staging_bytes(
+    fn staging_layout(
         batch: usize,
         kv_heads: usize,
         dim: usize,
@@ -464,13 +471,22 @@ impl PyLookAheadLayer {
         itemsize: usize,
         max_pages: usize,
         capacity: usize,
-    ) -> PyResult<usize> {
+    ) -> PyResult<PyStagingLayout> {
         let elem = match itemsize {
             4 => Elem::F32,
             2 => Elem::F16,
             _ => return Err(PyValueError::new_err(format!("itemsize must be 2 or 4, got {itemsize}"))),
         };
         let g = Geometry { heads: kv_heads, query_heads: kv_heads, dim, page_size, elem };
-        Ok(crate::lookahead::staging_bytes(&g, batch, max_pages, capacity))
+        let l = StagingLayout::new(&g, batch, max_pages, capacity);
+        Ok(PyStagingLayout {
+            max_loads: l.max_loads,
+            max_masks: l.max_masks,
+            trash: l.trash,
+            table_at: l.table_at,
+            mask_at: l.mask_at,
+            rows_at: l.rows_at,
+            bytes: l.bytes,
+        })
     }
 }

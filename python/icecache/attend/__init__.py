@@ -11,7 +11,7 @@ page pool (semantic pages, each with its own valid length).
   attention recall of a page selection (tests and evaluation).
 """
 
-from icecache.attend.ranked import RankedAttention, RankedAttentionGraph, ranked_decode_attention
+from icecache.attend.ranked import RankedAttention, ranked_decode_attention
 from icecache.attend.reference import attention_recall, sparse_decode_attention
 
 __all__ = [

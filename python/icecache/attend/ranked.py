@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["RankedAttention", "RankedAttentionGraph", "ranked_decode_attention"]
+__all__ = ["RankedAttention", "ranked_decode_attention"]
 
 _BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
@@ -117,78 +117,3 @@ def ranked_decode_attention(
         logits = torch.matmul(q.float(), kv[0].float().transpose(-1, -2)) * scale
         lse = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1).reshape(B, Hq)
     return RankedAttention(out=out.reshape(B, Hq, D).to(query.dtype), kept=keep, lse=lse)
-
-
-class RankedAttentionGraph:
-    """:func:`ranked_decode_attention` of one layer (ranking mode) replayed from CUDA graphs.
-
-    Eager, one decode step of a layer launches about fifteen small kernels, and on slow hosts
-    their launches cost far more than their device time. The step's shapes never change (the
-    layer's device buffers are fixed, and ``pages`` takes one of two values), so each ``pages``
-    value is captured once into a CUDA graph over the layer's buffers and replayed: per step, one
-    copy of the query into the graph's input and one replay. The graph also leaves the query as
-    float32 for the host.
-
-    Args:
-        pool_kv, pool_valid, dense_kv, dense_valid, scale: as for :func:`ranked_decode_attention`
-            (the layer's persistent buffers; the graphs read them at replay).
-        query_shape, query_dtype: of the step's query ``[B, H*G, D]``.
-        pool: a CUDA graph memory pool to share between layers (``torch.cuda.graph_pool_handle``):
-            layers replay in stream order, so they can share it.
-    """
-
-    def __init__(
-        self,
-        pool_kv: torch.Tensor,
-        pool_valid: torch.Tensor,
-        dense_kv: torch.Tensor,
-        dense_valid: torch.Tensor,
-        *,
-        scale: float,
-        query_shape: tuple,
-        query_dtype: torch.dtype,
-        pool: Optional[tuple] = None,
-        host_query: Optional[torch.Tensor] = None,
-        host_flag: Optional[torch.Tensor] = None,
-        counter: Optional[torch.Tensor] = None,
-    ):
-        self._args = (pool_kv, pool_valid, dense_kv, dense_valid)
-        self._handoff = (host_query, host_flag, counter) if host_query is not None else None
-        self._scale = scale
-        self._query = torch.zeros(query_shape, dtype=query_dtype, device=pool_kv.device)
-        self._pool = pool
-        self._graphs: dict = {}
-
-    def _run(self, pages: int):
-        res = ranked_decode_attention(self._query, *self._args, pages=pages, scale=self._scale)
-        if self._handoff is not None:
-            host_query, host_flag, counter = self._handoff
-            host_query.copy_(self._query.float(), non_blocking=True)
-            counter.add_(1)
-            host_flag.copy_(counter, non_blocking=True)
-        return res.out
-
-    def _capture(self, pages: int):
-        # The warm-up runs count too: put the counter back afterwards.
-        before = None if self._handoff is None else self._handoff[2].clone()
-        side = torch.cuda.Stream(self._query.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # library warm-up (workspaces, autotuning) outside the capture
-                self._run(pages)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._run(pages)
-        if before is not None:
-            self._handoff[2].copy_(before)
-        self._graphs[pages] = (graph, outputs)
-        return self._graphs[pages]
-
-    def __call__(self, query: torch.Tensor, pages: int) -> torch.Tensor:
-        """This step's attention output ``[B, H*G, D]``; valid until the next call with the
-        same ``pages``."""
-        self._query.copy_(query)
-        graph, outputs = self._graphs.get(pages) or self._capture(pages)
-        graph.replay()
-        return outputs

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from icecache import _core
-from icecache.attend.ranked import RankedAttentionGraph, ranked_decode_attention
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import hand_off
 from icecache.runtime.pages import History, PageIndex, PageStore, numpy_view
+from icecache.runtime.step import DeviceStep
 from icecache.runtime.transfer import StepBuffers, Transit
 
 __all__ = ["IceLayer", "Runtime", "RuntimeStats"]
@@ -183,8 +182,8 @@ class IceLayer(CacheLayerMixin):
         self.decoding = False
         self._prompt = None
         self.jobs: Optional[_core.LookAheadLayer] = None
-        self._graph: Optional[RankedAttentionGraph] = None
-        self._counter: Optional[torch.Tensor] = None
+        self._step: Optional[DeviceStep] = None
+        self._step_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.steps = 0
 
     # ------------------------------------------------------------------ transformers API
@@ -197,15 +196,16 @@ class IceLayer(CacheLayerMixin):
         C, S = cfg.device_pages, cfg.page_size
         self.ring = cfg.window + S  # room for a flushed page that is still attended
         L = cfg.sink + self.ring
-        # K and V together, so that one copy loads a step's pages of both: the page pool
-        # [2, B, H, C, S, D] and the dense tokens (sink, then the window ring) [2, B, H, L, D].
-        self.pool_kv = torch.zeros(2, B, H, C, S, D, dtype=self.dtype, device=self.device)
-        self.dense_kv = torch.zeros(2, B, H, L, D, dtype=self.dtype, device=self.device)
-        self.pool_valid = torch.zeros(B, H, C, S, dtype=torch.bool, device=self.device)
-        self.dense_valid = torch.zeros(B, H, L, dtype=torch.bool, device=self.device)
+        # K and V together, so that one copy loads a step's pages of both: the page pool, one row
+        # per slot plus a trash row that padded loads land in ([2, B*H*C + 1, S*D]), and the
+        # dense tokens (sink, then the window ring) [2, B, H, L, D]; each with its valid mask.
+        self._pool_rows = torch.zeros(2, B * H * C + 1, S * D, dtype=self.dtype, device=self.device)
+        self._pool_masks = torch.zeros(B * H * C + 1, S, dtype=torch.bool, device=self.device)
+        self.pool_kv = self._pool_rows[:, : B * H * C].view(2, B, H, C, S, D)
+        self.pool_valid = self._pool_masks[: B * H * C].view(B, H, C, S)
         self.pool_k, self.pool_v = self.pool_kv[0], self.pool_kv[1]
-        self._pool_rows = self.pool_kv.view(2, B * H * C, S * D)
-        self._pool_masks = self.pool_valid.view(B * H * C, S)
+        self.dense_kv = torch.zeros(2, B, H, L, D, dtype=self.dtype, device=self.device)
+        self.dense_valid = torch.zeros(B, H, L, dtype=torch.bool, device=self.device)
         self._ring_at = cfg.sink
         # Per sequence: valid sink tokens; the window's oldest ring slot and its tokens; how
         # many of its oldest tokens were flushed to a job that has not been applied yet.
@@ -336,8 +336,8 @@ class IceLayer(CacheLayerMixin):
                 self.leader.indexes[b].follow(self.histories[b], self.stores[b])
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write this step's token into each sequence's window ring; a full window first hands
-        its oldest page of tokens to the host (they stay attended until their insert lands)."""
+        """Take this step's token into each sequence's window; a full window first hands its
+        oldest page of tokens to the host (they stay attended until their insert lands)."""
         cfg = self.runtime.config
         ps, R = cfg.page_size, self.ring
         for b in range(self.batch):
@@ -345,11 +345,9 @@ class IceLayer(CacheLayerMixin):
                 first = (self.win_start[b] + self._in_job[b]) % R
                 self._copy_flush(b, first)
                 self._flushed[b] = ps
-            slot = self._ring_at + (self.win_start[b] + self.win_len[b]) % R
-            self.dense_kv[0, b, :, slot] = k[b, :, 0]
-            self.dense_kv[1, b, :, slot] = v[b, :, 0]
-            self.dense_valid[b, :, slot] = True
             self.win_len[b] += 1
+        # The device step writes the token into the ring (at the position it keeps itself).
+        self._step_kv = (k[:, :, 0], v[:, :, 0])
 
     def _copy_flush(self, b: int, first: int) -> None:
         """Copy the page of window tokens starting at ring slot ``first`` of sequence ``b`` to
@@ -397,17 +395,22 @@ class IceLayer(CacheLayerMixin):
                 self.dim,
                 cfg.page_size,
                 self.dtype,
-                _core.LookAheadLayer.staging_bytes(
-                    batch=self.batch,
-                    kv_heads=self.heads,
-                    dim=self.dim,
-                    page_size=cfg.page_size,
-                    itemsize=self.dtype.itemsize,
-                    max_pages=cfg.selected_pages,
-                    capacity=cfg.device_pages,
-                ),
+                self._layout().bytes,
             )
         return self._bufs
+
+    def _layout(self) -> _core.StagingLayout:
+        """The fixed layout of this layer's staging buffer."""
+        cfg = self.runtime.config
+        return _core.LookAheadLayer.staging_layout(
+            batch=self.batch,
+            kv_heads=self.heads,
+            dim=self.dim,
+            page_size=cfg.page_size,
+            itemsize=self.dtype.itemsize,
+            max_pages=cfg.selected_pages,
+            capacity=cfg.device_pages,
+        )
 
     def _open_jobs(self, query_heads: int, scale: float) -> None:
         """Make this layer's job object and lend it every sequence's buffers (first decode
@@ -441,23 +444,23 @@ class IceLayer(CacheLayerMixin):
             else:
                 self.histories[b].reserve(self.histories[b].n + cfg.page_size)
             self._lend(b)
-        self._scale = scale
-        # Device step counter: written to the host flag behind each step's queries.
-        self._counter = torch.zeros(1, dtype=torch.int64, device=self.device) if self.device.type == "cuda" else None
-        if cfg.lookahead and cfg.cuda_graphs and self.device.type == "cuda":
-            self._graph = RankedAttentionGraph(
-                self.pool_kv,
-                self.pool_valid,
-                self.dense_kv,
-                self.dense_valid,
-                scale=scale,
-                query_shape=(self.batch, query_heads, self.dim),
-                query_dtype=self.dtype,
-                pool=self.runtime.graph_pool(),
-                host_query=bufs.queries,
-                host_flag=bufs.flag,
-                counter=self._counter,
-            )
+        layout = self._step_layout = self._layout()
+        self._step = DeviceStep(
+            self._pool_rows,
+            self._pool_masks,
+            self.dense_kv,
+            self.dense_valid,
+            bufs.device_staging,
+            layout,
+            ring=(self._ring_at, self.ring),
+            query_heads=query_heads,
+            scale=scale,
+            handoff=(bufs.queries, bufs.flag) if cfg.lookahead else None,
+            graphs=cfg.lookahead and cfg.cuda_graphs,
+            pool=self.runtime.graph_pool() if self.device.type == "cuda" else None,
+        )
+        # This step's token is counted in win_len already, and the device step writes it.
+        self._step.start_window([(w0 + n - 1) % self.ring for w0, n in zip(self.win_start, self.win_len)])
 
     def _indexed_pages(self, b: int) -> int:
         forest = (self.indexes if self.leader is None else self.leader.indexes)[b].forest
@@ -472,11 +475,10 @@ class IceLayer(CacheLayerMixin):
             k_hist, v_hist = self.histories[b].views()
             self.jobs.set_lane(b, *store.views(), k_history=k_hist, v_history=v_hist)
 
-    def _start_job(self, query: torch.Tensor, now: bool, handed_off: bool = False) -> None:
-        """Hand this step's queries (and flushed tokens) to the host and start the job that
-        prepares the next step: run now (``now``: fresh selection, first step) or queued
-        behind a flag the device writes after the queries (look-ahead; ``handed_off``: the
-        layer's CUDA graph copied the queries and wrote the flag already)."""
+    def _start_job(self, query: torch.Tensor, now: bool) -> None:
+        """Start the job that prepares the next step, with this step's flushed tokens: run now
+        (``now``: fresh selection, or the first step; its queries are copied here) or queued
+        until the flag that the device step writes behind this step's queries (look-ahead)."""
         bufs = self._buffers()
         flushed, self._flushed = self._flushed, [0] * self.batch
         self._in_job = list(flushed)
@@ -504,14 +506,8 @@ class IceLayer(CacheLayerMixin):
                 torch.cuda.current_stream(self.device).synchronize()
             self.jobs.start(flushed, history_lens=lens)
             return
+        # The device step copied the queries and wrote the step number (behind the attention).
         self.steps += 1
-        if not handed_off:
-            bufs.queries.copy_(query.float(), non_blocking=True)
-            if self._counter is None:
-                bufs.flag[0] = self.steps  # CPU: the queries are in place already
-            else:
-                self._counter.add_(1)
-                bufs.flag.copy_(self._counter, non_blocking=True)
         self.jobs.start(flushed, step=self.steps, history_lens=lens)
 
     def _first_pages(self, flushed: List[int]) -> None:
@@ -540,23 +536,18 @@ class IceLayer(CacheLayerMixin):
             self._lend(b)
 
     def _apply(self, o: _core.LookAheadOutcome) -> Optional[torch.Tensor]:
-        """Bring the job's pages to the device pool and its masks up to date, in one upload and
-        two copies (layout in ``icecache._core.LookAheadOutcome``); returns the selection's pool
-        slots ``[B, H, width]`` (rank order, -1 past the count) when fresh selection needs them."""
-        cfg = self.runtime.config
-        fresh = not cfg.lookahead
+        """Copy the job's staging (its used prefix) to the device, for the device step to apply,
+        and stop attending the tokens it inserted; returns the selection's pool slots
+        ``[B, H, width]`` (rank order, -1 past the count) when fresh selection needs them.
+        Without loads or clears nothing is copied: the device step re-applies the last loads,
+        which changes nothing."""
+        fresh = not self.runtime.config.lookahead
         table = None
         if o.loads or o.clears or fresh:
             dev = self._buffers().upload(o.end)
-            n, c = o.loads, o.clears
-            if n:
-                rows = dev[o.rows_at : o.end].view(self.dtype).view(2, n, -1)
-                self._pool_rows.index_copy_(1, dev[: 8 * n].view(torch.int64), rows)
-            if n or c:
-                masks = dev[o.mask_at : o.mask_at + (n + c) * cfg.page_size].view(torch.bool).view(n + c, -1)
-                self._pool_masks.index_copy_(0, dev[8 * n : o.table_at].view(torch.int64), masks)
             if fresh:
-                table = dev[o.table_at : o.table_at + 4 * self.batch * self.heads * o.width].view(torch.int32)
+                at = self._step_layout.table_at
+                table = dev[at : at + 4 * self.batch * self.heads * o.width].view(torch.int32)
                 table = table.view(self.batch, self.heads, o.width)
         self._drop_flushed()
         return table
@@ -586,28 +577,14 @@ class IceLayer(CacheLayerMixin):
         # The budget: sink + window (+ a flushed page still attended) + pages.
         window = max(self.win_len)
         pages = max(0, min(cfg.retrieved_pages, (cfg.budget - max(self.sink_len) - window) // cfg.page_size))
-        handed_off = False
-        if keep is None and self._graph is not None and not rt.track_recall:
-            out, handed_off = self._graphed(q, pages)
-        else:
-            res = ranked_decode_attention(
-                q,
-                self.pool_kv,
-                self.pool_valid,
-                self.dense_kv,
-                self.dense_valid,
-                pages=pages,
-                scale=scale,
-                keep=keep,
-                want_lse=rt.track_recall,
-            )
-            out = res.out
+        k, v = self._step_kv
+        out, res = self._step(q, k, v, pages, keep=keep, want_lse=rt.track_recall)
         t3 = rt.tick()
         if rt.track_recall:
             self._track_recall(q, res, outcome, pages, scale)
             stats.recall_s += time.perf_counter() - t3
         if cfg.lookahead:
-            self._start_job(q, now=False, handed_off=handed_off)
+            self._start_job(q, now=False)
 
         stats.layer_steps += 1
         stats.wait_s += t1 - t0
@@ -619,22 +596,6 @@ class IceLayer(CacheLayerMixin):
         stats.pages_selected += outcome.selected
         stats.pages_loaded += outcome.loads
         return out[:, None].to(query.device)
-
-    def _graphed(self, q: torch.Tensor, pages: int) -> tuple:
-        """Ranking, attention and the hand-off of the queries replayed from this layer's CUDA
-        graphs; ``(out, True)``. A capture that fails leaves the layer on the eager path for good
-        (with a warning); ``(out, False)``: the queries still need handing off."""
-        try:
-            return self._graph(q, pages), True
-        except RuntimeError as exc:
-            warnings.warn(
-                f"IceCache layer {self.layer_idx}: CUDA graph capture failed ({exc}); eager from now on", stacklevel=2
-            )
-            self._graph = None
-            res = ranked_decode_attention(
-                q, self.pool_kv, self.pool_valid, self.dense_kv, self.dense_valid, pages=pages, scale=self._scale
-            )
-            return res.out, False
 
     def _track_recall(self, q: torch.Tensor, res, outcome: _core.LookAheadOutcome, pages: int, scale: float) -> None:
         """Measurements for evaluation (``track_recall``), after this step's attention.
@@ -664,8 +625,8 @@ class IceLayer(CacheLayerMixin):
             return
         # The applied job's table (superset slots in the host's rank order) is still in the
         # host staging: the next job writes it only after this step's flag.
-        entries = self.batch * self.heads * outcome.width
-        staged = self._buffers().staging[outcome.table_at : outcome.table_at + 4 * entries]
+        entries, at = self.batch * self.heads * outcome.width, self._step_layout.table_at
+        staged = self._buffers().staging[at : at + 4 * entries]
         table = staged.numpy().view(np.int32).reshape(self.batch, self.heads, -1)
         kept = res.kept.cpu().numpy()
         occupied = self.pool_valid.any(-1).cpu().numpy()

@@ -60,13 +60,17 @@ class StepBuffers:
         self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, pin_memory=pin)
         self._device_staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device) if pin else None
 
+    @property
+    def device_staging(self) -> torch.Tensor:
+        """The device's copy of the staging buffer (on the CPU: the staging buffer itself)."""
+        return self.staging if self._device_staging is None else self._device_staging
+
     def upload(self, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of staging on the device (one asynchronous copy on a GPU)."""
-        if self._device_staging is None:
-            return self.staging[:nbytes]
-        dev = self._device_staging[:nbytes]
-        dev.copy_(self.staging[:nbytes], non_blocking=True)
-        return dev
+        """Copy the first ``nbytes`` of staging to the device (one asynchronous copy on a GPU);
+        returns the device copy."""
+        if self._device_staging is not None:
+            self._device_staging[:nbytes].copy_(self.staging[:nbytes], non_blocking=True)
+        return self.device_staging
 
     def nbytes(self) -> int:
         """Host bytes held."""

@@ -1,0 +1,159 @@
+"""One IceCache layer's device work in a decode step, eager or replayed from CUDA graphs.
+
+Per layer and step the device: writes the step's token into the window ring, applies the host
+job's pages (two index copies over the fixed staging layout, padded entries going to a trash
+slot, see ``icecache._core.StagingLayout``), ranks the pool's pages and attends
+(:func:`icecache.attend.ranked_decode_attention`), and, with look-ahead, hands the step's
+queries and a step number to the host for the next job.
+
+Eager, that is about twenty small kernels, whose launches cost far more host time than the
+device spends on them on slow hosts. Every shape is fixed per layer, so on CUDA each value of
+``pages`` (two occur) is captured once into a CUDA graph and replayed: per step, one call that
+copies the step's query, key and value into the graph's inputs, and one replay. The window
+position and the step counter live on the device and advance inside the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from icecache.attend.ranked import RankedAttention, ranked_decode_attention
+
+__all__ = ["DeviceStep"]
+
+
+class DeviceStep:
+    """The device side of one IceCache layer's decode steps.
+
+    Args:
+        pool_rows: ``[2, B*H*C + 1, S*D]`` K and V of the page pool, one row per slot and the
+            last row a trash slot.
+        pool_masks: ``[B*H*C + 1, S]`` bool, which tokens of each pool slot are valid (trash last).
+        dense_kv: ``[2, B, H, L, D]`` the sink, the window ring and a trash slot last.
+        dense_valid: ``[B, H, L]`` bool.
+        staging: the device copy of the layer's staging buffer (uint8).
+        layout: its ``icecache._core.StagingLayout``.
+        ring: ``(first, size)``: where the window ring starts in the dense tokens, and its slots.
+        query_heads, scale: of the layer's attention.
+        handoff: ``(host_query, host_flag)`` pinned host tensors to hand each step's queries and
+            step number to (look-ahead), or ``None``.
+        graphs: replay from CUDA graphs (CUDA only); ``pool``: their shared memory pool.
+    """
+
+    def __init__(
+        self,
+        pool_rows: torch.Tensor,
+        pool_masks: torch.Tensor,
+        dense_kv: torch.Tensor,
+        dense_valid: torch.Tensor,
+        staging: torch.Tensor,
+        layout,
+        *,
+        ring: Tuple[int, int],
+        query_heads: int,
+        scale: float,
+        handoff: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        graphs: bool = False,
+        pool: Optional[tuple] = None,
+    ):
+        _, B, H, L, D = dense_kv.shape
+        S = pool_masks.shape[1]
+        C = (pool_masks.shape[0] - 1) // (B * H)
+        dev = dense_kv.device
+        self._pool_rows, self._pool_masks = pool_rows, pool_masks
+        self.pool_kv = pool_rows[:, : B * H * C].view(2, B, H, C, S, D)
+        self.pool_valid = pool_masks[: B * H * C].view(B, H, C, S)
+        self.dense_kv, self.dense_valid = dense_kv, dense_valid
+        self._ring_first, self._ring = ring
+        self._scale = scale
+        n, m = layout.max_loads, layout.max_masks
+        self._load_idx = staging[: 8 * n].view(torch.int64)
+        self._mask_idx = staging[8 * n : 8 * (n + m)].view(torch.int64)
+        self._masks = staging[layout.mask_at : layout.mask_at + m * S].view(torch.bool).view(m, S)
+        self._rows = staging[layout.rows_at : layout.bytes].view(dense_kv.dtype).view(n, 2, S * D).transpose(0, 1)
+        # Until a job's outcome arrives, every entry names the trash slot.
+        self._load_idx.fill_(layout.trash)
+        self._mask_idx.fill_(layout.trash)
+        # The step's inputs, and the device state that the graphs advance.
+        self.query = torch.zeros(B, query_heads, D, dtype=dense_kv.dtype, device=dev)
+        self.kv = torch.zeros(2, B, H, D, dtype=dense_kv.dtype, device=dev)
+        self.window_at = torch.zeros(B, dtype=torch.int64, device=dev)  # dense slot of the next token
+        self.counter = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._b = torch.arange(B, device=dev)[:, None]
+        self._h = torch.arange(H, device=dev)[None, :]
+        self._handoff = handoff
+        self._graphs_on = graphs and dev.type == "cuda"
+        self._pool = pool
+        self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def start_window(self, next_slots) -> None:
+        """Where each sequence's next window token goes: ring slot ``next_slots[b]``."""
+        slots = torch.tensor([self._ring_first + s for s in next_slots], dtype=torch.int64)
+        self.window_at.copy_(slots)
+
+    def _ops(self, pages: int, keep: Optional[torch.Tensor] = None, want_lse: bool = False) -> RankedAttention:
+        # The step's token into the window ring, then the next position.
+        at = self.window_at[:, None]
+        self.dense_kv[:, self._b, self._h, at] = self.kv
+        self.dense_valid[self._b, self._h, at] = True
+        self.window_at.sub_(self._ring_first - 1).remainder_(self._ring).add_(self._ring_first)
+        # The job's pages and masks (padded entries land in the trash slot).
+        self._pool_rows.index_copy_(1, self._load_idx, self._rows)
+        self._pool_masks.index_copy_(0, self._mask_idx, self._masks)
+        res = ranked_decode_attention(
+            self.query,
+            self.pool_kv,
+            self.pool_valid,
+            self.dense_kv,
+            self.dense_valid,
+            pages=pages,
+            scale=self._scale,
+            keep=keep,
+            want_lse=want_lse,
+        )
+        if self._handoff is not None:
+            host_query, host_flag = self._handoff
+            host_query.copy_(self.query.float(), non_blocking=True)
+            self.counter.add_(1)
+            host_flag.copy_(self.counter, non_blocking=True)
+        return res
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        pages: int,
+        keep: Optional[torch.Tensor] = None,
+        want_lse: bool = False,
+    ) -> Tuple[torch.Tensor, Optional[RankedAttention]]:
+        """One step for ``query`` ``[B, H_q, D]``, ``key``/``value`` ``[B, H, D]``: the output
+        ``[B, H_q, D]``, and the full result when run eagerly (``keep``, ``want_lse``, or no
+        graphs). A graph's output stays valid until its next replay."""
+        torch._foreach_copy_([self.query, self.kv[0], self.kv[1]], [query, key, value])
+        if keep is not None or want_lse or not self._graphs_on:
+            res = self._ops(pages, keep, want_lse)
+            return res.out, res
+        graph, out = self._graphs.get(pages) or self._capture(pages)
+        graph.replay()
+        return out, None
+
+    def _capture(self, pages: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm-up runs (outside the capture: library workspaces) write the window and count:
+        # put that state back afterwards. Their page loads repeat the step's own.
+        saved = [t.clone() for t in (self.dense_kv, self.dense_valid, self.window_at, self.counter)]
+        side = torch.cuda.Stream(self.query.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._ops(pages)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._ops(pages).out
+        for t, s in zip((self.dense_kv, self.dense_valid, self.window_at, self.counter), saved):
+            t.copy_(s)
+        self._graphs[pages] = (graph, out)
+        return self._graphs[pages]
