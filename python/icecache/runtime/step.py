@@ -15,6 +15,7 @@ position and the step counter live on the device and advance inside the graph.
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -81,6 +82,9 @@ class DeviceStep:
         self.kv = torch.zeros(2, B, H, D, dtype=dense_kv.dtype, device=dev)
         self.window_at = torch.zeros(B, dtype=torch.int64, device=dev)  # dense slot of the next token
         self.counter = torch.zeros(1, dtype=torch.int64, device=dev)
+        # A device True: a Python value would be copied from host memory, which a graph
+        # capture refuses.
+        self._true = torch.ones((), dtype=torch.bool, device=dev)
         self._b = torch.arange(B, device=dev)[:, None]
         self._h = torch.arange(H, device=dev)[None, :]
         self._handoff = handoff
@@ -97,7 +101,7 @@ class DeviceStep:
         # The step's token into the window ring, then the next position.
         at = self.window_at[:, None]
         self.dense_kv[:, self._b, self._h, at] = self.kv
-        self.dense_valid[self._b, self._h, at] = True
+        self.dense_valid.index_put_((self._b, self._h, at), self._true)
         self.window_at.sub_(self._ring_first - 1).remainder_(self._ring).add_(self._ring_first)
         # The job's pages and masks (padded entries land in the trash slot).
         self._pool_rows.index_copy_(1, self._load_idx, self._rows)
@@ -133,27 +137,35 @@ class DeviceStep:
         ``[B, H_q, D]``, and the full result when run eagerly (``keep``, ``want_lse``, or no
         graphs). A graph's output stays valid until its next replay."""
         torch._foreach_copy_([self.query, self.kv[0], self.kv[1]], [query, key, value])
-        if keep is not None or want_lse or not self._graphs_on:
-            res = self._ops(pages, keep, want_lse)
-            return res.out, res
-        graph, out = self._graphs.get(pages) or self._capture(pages)
-        graph.replay()
-        return out, None
+        if self._graphs_on and keep is None and not want_lse:
+            try:
+                graph, out = self._graphs.get(pages) or self._capture(pages)
+            except RuntimeError as exc:
+                warnings.warn(f"CUDA graph capture failed ({exc}); this layer runs eagerly from now on", stacklevel=2)
+                self._graphs_on = False
+            else:
+                graph.replay()
+                return out, None
+        res = self._ops(pages, keep, want_lse)
+        return res.out, res
 
     def _capture(self, pages: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm-up runs (outside the capture: library workspaces) write the window and count:
         # put that state back afterwards. Their page loads repeat the step's own.
-        saved = [t.clone() for t in (self.dense_kv, self.dense_valid, self.window_at, self.counter)]
-        side = torch.cuda.Stream(self.query.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._ops(pages)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._ops(pages).out
-        for t, s in zip((self.dense_kv, self.dense_valid, self.window_at, self.counter), saved):
-            t.copy_(s)
+        state = (self.dense_kv, self.dense_valid, self.window_at, self.counter)
+        saved = [t.clone() for t in state]
+        try:
+            side = torch.cuda.Stream(self.query.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._ops(pages)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._ops(pages).out
+        finally:
+            for t, s in zip(state, saved):
+                t.copy_(s)
         self._graphs[pages] = (graph, out)
         return self._graphs[pages]
