@@ -28,7 +28,8 @@ own shard. Per context length, one prompt of random tokens:
 
 Variants: ``full`` DynamicCache + SDPA, ``fullfi`` DynamicCache + FlashInfer single-sequence
 decode (needs FlashInfer; batch 1), ``ice`` IceCache (look-ahead), ``ice3`` IceCache with
-reuse 3, ``fresh`` IceCache with fresh selection (every layer step waits for the host: the
+reuse 3, ``ice-r2`` IceCache selecting a new superset every second step, ``fresh`` IceCache
+with fresh selection (every layer step waits for the host: the
 synchronous reference). Look-ahead never waits for the host within a step, so a "correction
 rate" (share of layer steps that select synchronously from the fresh query) is 0% for ``ice``
 and 100% for ``fresh``; with random weights consecutive queries are unrelated, so every step
@@ -296,8 +297,10 @@ def main(argv=None) -> int:
         cache.bench_flashinfer = True
         return cache
 
-    def make_ice(reuse, lookahead=True):
-        config = IceCacheConfig(budget=args.budget, reuse=reuse, threads=args.threads, lookahead=lookahead)
+    def make_ice(reuse, lookahead=True, refresh=1):
+        config = IceCacheConfig(
+            budget=args.budget, reuse=reuse, threads=args.threads, lookahead=lookahead, refresh=refresh
+        )
         cache = IceCache(config, model)
         model.set_attn_implementation("bench")  # IceCache's attention, with the FlashInfer baseline
         return cache
@@ -341,6 +344,7 @@ def main(argv=None) -> int:
             "fullfi": ("full (FlashInfer)", full_flashinfer),
             "ice": ("IceCache", lambda: make_ice(1)),
             "ice3": ("IceCache reuse=3", lambda: make_ice(3)),
+            "ice-r2": ("IceCache refresh=2", lambda: make_ice(1, refresh=2)),
             "fresh": ("IceCache fresh", lambda: make_ice(1, lookahead=False)),
         }
         if "fullfi" in args.variants and fi_error:

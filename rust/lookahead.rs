@@ -187,8 +187,9 @@ pub struct FollowerLane {
 /// What a job does.
 pub enum Work {
     /// Insert, select `select.max_pages` pages per KV head for `queries` (`[B, H_q, d]` f32),
-    /// plan and gather.
-    Leader { lanes: Vec<LeaderLane>, queries: HostBuf, select: SelectParams },
+    /// plan and gather. Without `reselect`, a sequence that flushed nothing keeps its last
+    /// selection: the job loads nothing for it (the device keeps ranking the pages it has).
+    Leader { lanes: Vec<LeaderLane>, queries: HostBuf, select: SelectParams, reselect: bool },
     /// Append the flush to the history, rewrite the pages the leader's job changed, and
     /// gather the pages the leader's job planned.
     Follower { lanes: Vec<FollowerLane>, leader: Arc<JobState> },
@@ -426,7 +427,7 @@ fn check_job(job: &Job) -> Result<()> {
         ensure!(r.flag.len() == 8, "the flag must be one int64");
     }
     match &job.work {
-        Work::Leader { lanes, queries, select } => {
+        Work::Leader { lanes, queries, select, .. } => {
             ensure!(!lanes.is_empty(), "a job needs at least one sequence");
             let q = queries.slice::<f32>("queries")?;
             ensure!(
@@ -502,13 +503,13 @@ fn process(job: Job, waited: Duration) -> Result<Outcome> {
     let g = job.geometry;
     let mut out = Outcome { wait_s: waited.as_secs_f64(), ..Outcome::default() };
     match job.work {
-        Work::Leader { lanes, queries, select } => {
+        Work::Leader { lanes, queries, select, reselect } => {
             let q = queries.slice::<f32>("queries")?;
             let per_seq = g.query_heads * g.dim;
             let results: Vec<Result<(LanePlan, f64, f64)>> = lanes
                 .par_iter()
                 .zip(q.par_chunks(per_seq))
-                .map(|(lane, q)| leader_lane(&g, lane, q, select))
+                .map(|(lane, q)| leader_lane(&g, lane, q, select, reselect))
                 .collect();
             for r in results {
                 let (plan, insert_s, select_s) = r?;
@@ -545,24 +546,31 @@ fn process(job: Job, waited: Duration) -> Result<Outcome> {
 
 /// Inserts, selects and plans for one leader sequence; returns its plan and the seconds spent
 /// inserting and selecting.
-fn leader_lane(g: &Geometry, lane: &LeaderLane, q: &[f32], select: SelectParams) -> Result<(LanePlan, f64, f64)> {
+fn leader_lane(
+    g: &Geometry,
+    lane: &LeaderLane,
+    q: &[f32],
+    select: SelectParams,
+    reselect: bool,
+) -> Result<(LanePlan, f64, f64)> {
     let h = g.heads;
     let width = select.max_pages;
     let capacity = lane.resident.lock().map_err(|_| poisoned())?.capacity();
+    let nothing = || LanePlan {
+        plan: LoadPlan { table: vec![-1; h * width], ..LoadPlan::default() },
+        table_len: vec![0; h * width],
+        selected: vec![-1; h * width],
+        changed: vec![Vec::new(); h],
+        capacity,
+        ..LanePlan::default()
+    };
     let Some(lane_forest) = &lane.forest else {
         ensure!(lane.flush.is_none(), "tokens were flushed into a sequence that has no index yet");
-        let table = vec![-1; h * width];
-        let plan = LoadPlan { table, ..LoadPlan::default() };
-        let lp = LanePlan {
-            plan,
-            table_len: vec![0; h * width],
-            selected: vec![-1; h * width],
-            changed: vec![Vec::new(); h],
-            capacity,
-            ..LanePlan::default()
-        };
-        return Ok((lp, 0.0, 0.0));
+        return Ok((nothing(), 0.0, 0.0));
     };
+    if !reselect && lane.flush.is_none() {
+        return Ok((nothing(), 0.0, 0.0));
+    }
     let t = Instant::now();
     let mut changed = vec![Vec::new(); h];
     if let Some(flush) = &lane.flush {

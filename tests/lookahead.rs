@@ -73,6 +73,7 @@ fn leader_job(l: &mut Layer, q: &mut [f32], staging: &mut [u8], flush: Option<Fl
             }],
             queries: buf(q),
             select: SelectParams { max_pages: width, scale: 0.25, effort: 1.0, exact: false, successors: 0 },
+            reselect: true,
         },
         keep_alive: Box::new(()),
     }

@@ -257,6 +257,8 @@ class LookAheadLayer:
         worker: the :class:`LookAhead` that runs the jobs.
         max_pages: pages selected per (sequence, KV head).
         scale, effort, successors: as for :meth:`HeadForest.select`.
+        refresh: queued jobs select anew every ``refresh`` jobs, and whenever tokens were
+            flushed; the others only insert (jobs run now always select).
     """
 
     def __new__(
@@ -274,6 +276,7 @@ class LookAheadLayer:
         scale: float,
         effort: float,
         successors: int = 0,
+        refresh: int = 1,
         leader: Optional[LookAheadLayer] = None,
     ) -> Self: ...
     def set_lane(

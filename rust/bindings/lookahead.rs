@@ -160,6 +160,8 @@ pub struct PyLookAheadLayer {
     geometry: Geometry,
     batch: usize,
     select: SelectParams,
+    /// Queued jobs select anew every `refresh` steps (and whenever tokens were flushed).
+    refresh: u64,
     queries: HostBuf,
     flag: HostBuf,
     flush_k: HostBuf,
@@ -196,7 +198,7 @@ impl PyLookAheadLayer {
 impl PyLookAheadLayer {
     /// See ``icecache/_core.pyi``.
     #[new]
-    #[pyo3(signature = (worker, queries, flag, flush_k, flush_v, staging, *, kv_heads, page_size, max_pages, scale, effort, successors = 0, leader = None))]
+    #[pyo3(signature = (worker, queries, flag, flush_k, flush_v, staging, *, kv_heads, page_size, max_pages, scale, effort, successors = 0, refresh = 1, leader = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         worker: PyRef<'_, PyLookAhead>,
@@ -211,8 +213,12 @@ impl PyLookAheadLayer {
         scale: f32,
         effort: f32,
         successors: usize,
+        refresh: usize,
         leader: Option<Py<PyLookAheadLayer>>,
     ) -> PyResult<Self> {
+        if refresh == 0 {
+            return Err(PyValueError::new_err("refresh must be at least 1"));
+        }
         let (qb, qs, qe, qk) = lend(queries, "queries")?;
         if qe != Some(Elem::F32) || qs.len() != 3 || qs[0] == 0 || kv_heads == 0 || qs[1] % kv_heads != 0 {
             return Err(shape_err("queries", "float32 [B, H_q, d] with H_q a multiple of kv_heads", &qs));
@@ -250,6 +256,7 @@ impl PyLookAheadLayer {
             geometry,
             batch,
             select: SelectParams { max_pages, scale, effort, exact: false, successors },
+            refresh: refresh as u64,
             queries: qb,
             flag: fb,
             flush_k: kb,
@@ -382,6 +389,8 @@ impl PyLookAheadLayer {
                     .collect(),
                 queries: self.queries,
                 select: self.select,
+                // Run-now jobs always select: they serve the step they run in.
+                reselect: step.is_none() || number % self.refresh == 0,
             },
             Some(leader) => {
                 let lens = history_lens.ok_or_else(|| PyValueError::new_err("a following layer needs history_lens"))?;

@@ -46,6 +46,10 @@ class IceCacheConfig:
             keys also goes to the page of the next position, so that a head copying text from
             the context (it attends one token further on at the next step) finds that page in
             the superset (``HeadForest.select``'s ``successors``; 0: off).
+        refresh: with look-ahead, select a new superset every ``refresh`` steps (and at every
+            step that moves a window page into the index); in between the device keeps ranking
+            the pages it holds with each step's queries. 1: every step. Larger values cut the
+            host's work (see benches/RESULTS.md for the quality cost).
         cuda_graphs: with look-ahead on CUDA, replay each layer's ranking and attention from
             CUDA graphs (captured at the first steps): a few launches per layer and step instead
             of about fifteen.
@@ -69,6 +73,7 @@ class IceCacheConfig:
     lookahead: bool = True
     superset_pages: Optional[int] = None
     successors: int = 32
+    refresh: int = 1
     cuda_graphs: bool = True
     pool_pages: Optional[int] = None
     effort: float = 1.0
@@ -83,7 +88,7 @@ class IceCacheConfig:
         for name in ("lookahead", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"IceCacheConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("budget", "page_size", "sink", "window", "full_layers", "reuse", "successors"):
+        for name in ("budget", "page_size", "sink", "window", "full_layers", "reuse", "successors", "refresh"):
             value = getattr(self, name)
             if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"IceCacheConfig.{name} must be a non-negative int, got {value!r}")
@@ -94,6 +99,8 @@ class IceCacheConfig:
                 f"IceCacheConfig.window ({self.window}) must be a positive multiple of "
                 f"page_size ({self.page_size}): the window moves to the index a page at a time"
             )
+        if self.refresh < 1:
+            raise ValueError(f"IceCacheConfig.refresh must be >= 1 (1 = every step), got {self.refresh}")
         if self.reuse < 1:
             raise ValueError(f"IceCacheConfig.reuse must be >= 1 (1 = no layer reuse), got {self.reuse}")
         need = self.sink + self.window + self.page_size

@@ -436,6 +436,7 @@ class IceLayer(CacheLayerMixin):
             scale=scale,
             effort=cfg.effort,
             successors=cfg.successors,
+            refresh=cfg.refresh,
             leader=leader_jobs,
         )
         for b in range(self.batch):
@@ -621,8 +622,8 @@ class IceLayer(CacheLayerMixin):
                     total[h] = torch.logaddexp(total[h], torch.logsumexp(mid, dim=-1))
             recall = torch.exp(res.lse[b].cpu().view(self.heads, G) - total)
             self.runtime.stats.recalls.append(float(recall.mean()))
-        if not self.runtime.config.lookahead:
-            return
+        if not self.runtime.config.lookahead or outcome.selected == 0:
+            return  # nothing selected this step (``refresh``): nothing for the device to change
         # The applied job's table (superset slots in the host's rank order) is still in the
         # host staging: the next job writes it only after this step's flag.
         entries, at = self.batch * self.heads * outcome.width, self._step_layout.table_at
