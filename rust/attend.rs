@@ -1,6 +1,7 @@
 //! Attention over the device pages: the token lists that FlashInfer's paged decode reads
-//! (`python/icecache/attend/flashinfer.py`), one list per (sequence, KV head), built on the
-//! host from the step's page table and lengths and sent with the step's other metadata.
+//! (`python/icecache/attend/flashinfer.py`; docs/ARCHITECTURE.md, section Attend), one list per
+//! (sequence, KV head), built on the host from the step's page table and lengths and sent with
+//! the step's other metadata.
 
 use crate::error::{ensure, Result};
 

@@ -2,8 +2,8 @@
 
 FlashInfer's paged decode has one page table per request, shared by the request's KV heads;
 IceCache selects different pages for every KV head. The per-head tables come from folding the
-KV head into the page axis (DESIGN 2.6): each IceCache layer keeps all its device tokens of one
-kind (K or V) in one contiguous buffer ``[B, H_kv, T, D]`` (``T`` = page-pool slots x page
+KV head into the page axis (docs/ARCHITECTURE.md, section Attend): each IceCache layer keeps
+all its device tokens of one kind (K or V) in one contiguous buffer ``[B, H_kv, T, D]`` (``T`` = page-pool slots x page
 size + sink + window), viewed without a copy in HND layout as ``[B*H_kv*T, 1, 1, D]``: token
 ``t`` of KV head ``h`` of sequence ``b`` is folded page ``(b*H_kv + h)*T + t``. The batch is
 ``B*H_kv`` requests with ``num_kv_heads = 1`` and ``num_qo_heads = G`` (the GQA group), so the
@@ -20,7 +20,7 @@ host, where the selection and the page lengths already are, and travel with the 
 small metadata in the same host-to-device copy; the kernel reads one 4-byte index per 256-byte
 key row, which costs nothing measurable at a few hundred tokens.
 
-Planning. FlashInfer's ``plan`` costs ~140 us of host time (DESIGN 2.6), too much per layer.
+Planning. FlashInfer's ``plan`` costs ~140 us of host time on the H200, too much per layer.
 The plan only decides how to split each request's KV across thread blocks; it is made here once
 per (batch, heads, dim, dtype, scale), with one page per request, which selects the non-split
 kernel: one thread block per request walks the request's whole index list, whose length the
