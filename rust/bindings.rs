@@ -64,6 +64,10 @@ fn run<T: Send>(
     }
 }
 
+/// Key arrays of at most this many values (one decode step's keys, one query) are copied under
+/// the GIL: cheaper than registering a borrow, which dominates calls that take a few microseconds.
+const SMALL_COPY: usize = 4096;
+
 /// A 2-D key array borrowed from NumPy: f32, f16, or bf16 given as uint16. C-contiguous arrays
 /// are read in place; other layouts are copied.
 enum Keys<'py> {
@@ -119,9 +123,7 @@ impl<'py> Keys<'py> {
         let arr = obj.downcast::<numpy::PyUntypedArray>()?;
         let rows = arr.shape()[0];
         let contiguous = arr.is_c_contiguous();
-        // Small blocks (one decode step's keys, one query) are copied under the GIL: cheaper
-        // than registering a borrow, which dominates calls that take a few microseconds.
-        let small = arr.len() <= 4096;
+        let small = arr.len() <= SMALL_COPY;
         let keys = if let Ok(a) = obj.downcast::<PyArray2<f32>>() {
             if contiguous && small {
                 Keys::OwnedF32(a.to_vec().expect("contiguous"))

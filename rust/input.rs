@@ -41,6 +41,9 @@ impl<'a> KeyData<'a> {
 
 /// Largest squared norm accepted: keeps every dot product and squared distance finite in f32.
 const MAX_SQ_NORM: f32 = f32::MAX / 4.0;
+/// Values from which `check_rows` spreads its pass over the thread pool: below it (a decode
+/// step, a query batch) handing the work to the pool costs more than the pass itself.
+const PARALLEL_CHECK_MIN: usize = 1 << 16;
 
 /// Checks that `data` is a whole number of rows of `dim` finite values whose norms f32
 /// arithmetic can handle; returns the row count.
@@ -53,8 +56,11 @@ pub fn check_rows(data: &[f32], dim: usize, what: &str) -> Result<usize> {
     // Common case in one pass (a NaN or infinity fails its row's norm test too), spread over
     // the pool when large; the error path below finds the first offender.
     let ok = |r: &[f32]| crate::simd::dot(r, r) <= MAX_SQ_NORM;
-    let all_ok =
-        if data.len() >= 1 << 16 { data.par_chunks_exact(dim).all(ok) } else { data.chunks_exact(dim).all(ok) };
+    let all_ok = if data.len() >= PARALLEL_CHECK_MIN {
+        data.par_chunks_exact(dim).all(ok)
+    } else {
+        data.chunks_exact(dim).all(ok)
+    };
     if all_ok {
         return Ok(data.len() / dim);
     }

@@ -1,5 +1,6 @@
-//! Loading selected pages to the device (DESIGN 2.5): which pages are resident in which device
-//! slot, and the gather of the missing ones into one staging buffer for a single bulk copy.
+//! Loading selected pages to the device (docs/ARCHITECTURE.md, section Load): which pages are
+//! resident in which device slot, and the gather of the missing ones into one staging buffer for
+//! a single bulk copy.
 
 use rayon::prelude::*;
 

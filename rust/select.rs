@@ -1,4 +1,5 @@
-//! Page selection for one decode step (FIND-PAGE-INDEX with a GQA union, DESIGN 2.4–2.5).
+//! Page selection for one decode step (FIND-PAGE-INDEX with a GQA union; docs/ARCHITECTURE.md,
+//! section Select).
 //!
 //! Each query head searches its KV head's tree; the keys the search scores (int8 estimates of
 //! `q · k`, or exact scores in exact mode) become softmax weights over that head's middle

