@@ -561,6 +561,7 @@ impl PyHeadForest {
 
     /// Pages for one decode step: ``(pages [H_kv, max_pages] int32, counts [H_kv] int32)``.
     #[pyo3(signature = (queries, max_pages, *, scale = None, effort = None, exact = false, successors = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn select<'py>(
         &self,
         py: Python<'py>,

@@ -82,9 +82,13 @@ impl HostBuf {
 
     fn check<T>(&self, what: &str) -> Result<usize> {
         let size = std::mem::size_of::<T>();
-        ensure!(self.len % size == 0, "{what}: {} bytes are not a whole number of {size}-byte elements", self.len);
         ensure!(
-            self.len == 0 || (self.ptr as usize) % std::mem::align_of::<T>() == 0,
+            self.len.is_multiple_of(size),
+            "{what}: {} bytes are not a whole number of {size}-byte elements",
+            self.len
+        );
+        ensure!(
+            self.len == 0 || (self.ptr as usize).is_multiple_of(std::mem::align_of::<T>()),
             "{what} is not aligned for its element type"
         );
         Ok(self.len / size)
@@ -381,7 +385,8 @@ impl LookAhead {
         let state = JobState::new();
         let gen = self.generation.load(Ordering::SeqCst);
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        tx.send(Msg::Job(Box::new(job), state.clone(), gen)).map_err(|_| Error::Invalid("the worker has stopped".into()))?;
+        tx.send(Msg::Job(Box::new(job), state.clone(), gen))
+            .map_err(|_| Error::Invalid("the worker has stopped".into()))?;
         Ok(state)
     }
 
@@ -416,7 +421,7 @@ fn check_job(job: &Job) -> Result<()> {
     let g = &job.geometry;
     ensure!(g.heads >= 1 && g.dim >= 1, "a job needs at least one KV head and dimension");
     ensure!(
-        g.query_heads >= g.heads && g.query_heads % g.heads == 0,
+        g.query_heads >= g.heads && g.query_heads.is_multiple_of(g.heads),
         "{} query heads are not a multiple of {} KV heads",
         g.query_heads,
         g.heads
@@ -531,11 +536,7 @@ fn process(job: Job, waited: Duration) -> Result<Outcome> {
             out.insert_s = secs(t);
             let t = Instant::now();
             out.width = lead.width;
-            out.lanes = lead
-                .lanes
-                .iter()
-                .map(|l| LanePlan { changed: Vec::new(), ..l.clone() })
-                .collect();
+            out.lanes = lead.lanes.iter().map(|l| LanePlan { changed: Vec::new(), ..l.clone() }).collect();
             let stores: Vec<(HostBuf, HostBuf)> = lanes.iter().map(|l| (l.k_store, l.v_store)).collect();
             write_staging(&g, &mut out, &stores, job.staging)?;
             out.gather_s = secs(t);
@@ -581,7 +582,10 @@ fn leader_lane(
         for (head, pages) in pages.into_iter().enumerate() {
             let ids: Vec<i64> = pages.iter().map(|&p| p as i64).collect();
             resident.invalidate(head, &ids)?;
-            changed[head] = pages.into_iter().map(|p| Ok((p, forest.page_tokens(head, p as usize)?.to_vec()))).collect::<Result<_>>()?;
+            changed[head] = pages
+                .into_iter()
+                .map(|p| Ok((p, forest.page_tokens(head, p as usize)?.to_vec())))
+                .collect::<Result<_>>()?;
         }
     }
     let insert_s = secs(t);
@@ -604,7 +608,8 @@ fn leader_lane(
         forest.select(q, select)?
     };
     let plan = lane.resident.lock().map_err(|_| poisoned())?.plan(&pages, &counts)?;
-    let len = |head: i32, page: i32| -> Result<i32> { Ok(forest.page_tokens(head as usize, page as usize)?.len() as i32) };
+    let len =
+        |head: i32, page: i32| -> Result<i32> { Ok(forest.page_tokens(head as usize, page as usize)?.len() as i32) };
     let load_len = plan.heads.iter().zip(&plan.pages).map(|(&hd, &p)| len(hd, p)).collect::<Result<Vec<_>>>()?;
     let mut table_len = vec![0i32; h * width];
     for (i, (&p, tl)) in pages.iter().zip(table_len.iter_mut()).enumerate() {
@@ -646,7 +651,13 @@ fn insert_flush(
         ($t:ty) => {{
             let k = flush.keys.slice::<$t>("flushed keys")?;
             let v = flush.values.slice::<$t>("flushed values")?;
-            ensure!(k.len() == want && v.len() == want, "flushed keys/values must be [{}, {}, {}]", g.heads, flush.tokens, g.dim);
+            ensure!(
+                k.len() == want && v.len() == want,
+                "flushed keys/values must be [{}, {}, {}]",
+                g.heads,
+                flush.tokens,
+                g.dim
+            );
             forest.insert(k, v, k_store.slice_mut::<$t>("k_store")?, v_store.slice_mut::<$t>("v_store")?)
         }};
     }
@@ -663,13 +674,29 @@ fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()>
     let rb = g.row_bytes();
     let hk = lane.k_history.slice_mut::<u8>("k_history")?;
     let hv = lane.v_history.slice_mut::<u8>("v_history")?;
-    ensure!(hk.len() == hv.len() && hk.len() % (g.heads * rb) == 0, "histories must both be [{}, n, {}]", g.heads, g.dim);
+    ensure!(
+        hk.len() == hv.len() && hk.len() % (g.heads * rb) == 0,
+        "histories must both be [{}, n, {}]",
+        g.heads,
+        g.dim
+    );
     let cap = hk.len() / (g.heads * rb);
     ensure!(lane.history_len <= cap, "history_len {} exceeds the history's {cap} tokens", lane.history_len);
     if let Some(f) = &lane.flush {
         let (k, v) = (f.keys.slice::<u8>("flushed keys")?, f.values.slice::<u8>("flushed values")?);
-        ensure!(k.len() == g.heads * f.tokens * rb && v.len() == k.len(), "flushed keys/values must be [{}, {}, {}]", g.heads, f.tokens, g.dim);
-        ensure!(f.tokens <= lane.history_len, "history_len {} is below the {} flushed tokens", lane.history_len, f.tokens);
+        ensure!(
+            k.len() == g.heads * f.tokens * rb && v.len() == k.len(),
+            "flushed keys/values must be [{}, {}, {}]",
+            g.heads,
+            f.tokens,
+            g.dim
+        );
+        ensure!(
+            f.tokens <= lane.history_len,
+            "history_len {} is below the {} flushed tokens",
+            lane.history_len,
+            f.tokens
+        );
         let at = lane.history_len - f.tokens;
         for head in 0..g.heads {
             let dst = (head * cap + at) * rb;
@@ -681,7 +708,13 @@ fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()>
     let ks = lane.k_store.slice_mut::<u8>("k_store")?;
     let vs = lane.v_store.slice_mut::<u8>("v_store")?;
     let pb = g.page_bytes();
-    ensure!(ks.len() == vs.len() && ks.len() % (g.heads * pb) == 0, "stores must both be [{}, P, {}, {}]", g.heads, g.page_size, g.dim);
+    ensure!(
+        ks.len() == vs.len() && ks.len() % (g.heads * pb) == 0,
+        "stores must both be [{}, P, {}, {}]",
+        g.heads,
+        g.page_size,
+        g.dim
+    );
     let p = ks.len() / (g.heads * pb);
     for (head, pages) in lead.changed.iter().enumerate() {
         for (page, tokens) in pages {

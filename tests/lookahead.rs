@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use icecache::lookahead::{
-    Elem, FollowerLane, Flush, Geometry, HostBuf, Job, LeaderLane, LookAhead, Outcome, Ready, StagingLayout, Work,
+    Elem, Flush, FollowerLane, Geometry, HostBuf, Job, LeaderLane, LookAhead, Outcome, Ready, StagingLayout, Work,
 };
 use icecache::{Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
 use rand::rngs::StdRng;
@@ -134,7 +134,8 @@ fn check_rows(l: &Layer, o: &Outcome, m: &Meta, staging: &[u8]) {
     for i in 0..o.loads {
         let head = m.load_bh[i] as usize;
         // Which page went to that slot: find it in the table of this head.
-        let pos = (0..o.width).find(|&j| table_pages[head * o.width + j] == m.load_slot[i]).expect("loaded slot in table");
+        let pos =
+            (0..o.width).find(|&j| table_pages[head * o.width + j] == m.load_slot[i]).expect("loaded slot in table");
         assert_eq!(m.table_len[head * o.width + pos], m.load_len[i]);
         // K then V of each loaded page: keys equal values in these tests.
         let row = &staging[m.rows_at + 2 * i * page_bytes..m.rows_at + (2 * i + 1) * page_bytes];

@@ -110,7 +110,8 @@ fn exact_selection_matches_reference() {
     let q = keys(1, h * g, d, 9);
     let scale = 0.25;
     let max_pages = 7;
-    let (pages, counts) = f.select(&q, SelectParams { max_pages, scale, effort: 1.0, exact: true, successors: 0 }).unwrap();
+    let (pages, counts) =
+        f.select(&q, SelectParams { max_pages, scale, effort: 1.0, exact: true, successors: 0 }).unwrap();
     for kv in 0..h {
         let np = f.num_pages(kv).unwrap();
         let mut mass = vec![0f64; np];
@@ -150,7 +151,8 @@ fn full_budget_selects_all_pages() {
     let q = keys(1, 4, d, 5);
     let max_pages = f.max_pages() + 3;
     for exact in [true, false] {
-        let (pages, counts) = f.select(&q, SelectParams { max_pages, scale: 0.1, effort: 100.0, exact, successors: 0 }).unwrap();
+        let (pages, counts) =
+            f.select(&q, SelectParams { max_pages, scale: 0.1, effort: 100.0, exact, successors: 0 }).unwrap();
         for kv in 0..h {
             let np = f.num_pages(kv).unwrap();
             assert_eq!(counts[kv] as usize, np, "exact={exact}");

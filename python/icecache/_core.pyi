@@ -20,6 +20,7 @@ __all__ = [
     "LookAhead",
     "LookAheadLayer",
     "LookAheadOutcome",
+    "StagingLayout",
 ]
 
 __version__: str
@@ -212,22 +213,39 @@ class LookAhead:
         was abandoned, so its flags will never come)."""
 
 @final
-class LookAheadOutcome:
-    """What a finished job did and where it left its results in the layer's staging buffer.
+class StagingLayout:
+    """The fixed layout of a layer's staging buffer (byte offsets), for
+    :meth:`LookAheadLayer.staging_layout`. Every region has room for the most a job can write;
+    padded entries name the device pool's ``trash`` slot, so that the device applies any step
+    with the same operations and only the used prefix (``LookAheadOutcome.end``) is copied:
 
-    Staging layout: int32 metadata ``load_bh [loads] | load_slot [loads] | load_len [loads] |
-    clear_bh [clears] | clear_slot [clears] | table [B*H_kv*width] | table_len [B*H_kv*width]``
-    (``meta_len`` entries; ``bh = b * H_kv + head``), then from byte ``rows_at`` the K rows
-    ``[loads, page_size, d]`` and after them the V rows, up to byte ``end``. ``table`` holds the
-    device slot of each selected page in the host's rank order (-1 past the count), ``table_len``
-    its valid tokens; cleared slots lost their page (it changed and was not selected again).
+    - from 0: int64 ``load_idx [max_loads]``, the device slot of each loaded page as
+      ``(b * H_kv + head) * capacity + slot``, then int64 ``mask_idx [max_masks]``, the slots whose
+      valid-token mask changes (the loaded ones, then the slots cleared because their page changed
+      and was not selected again);
+    - from ``table_at``: int32 ``table [B*H_kv*width]``, the device slot of each selected page in
+      the host's rank order (-1 past the head's count), then int32 ``table_len``, its valid tokens;
+    - from ``mask_at``: ``[max_masks, page_size]`` bytes, 1 where the slot holds a token;
+    - from ``rows_at``: ``[max_loads, 2, page_size, d]``, each loaded page's K then V rows.
     """
+
+    max_loads: int
+    max_masks: int
+    trash: int
+    table_at: int
+    mask_at: int
+    rows_at: int
+    bytes: int
+
+@final
+class LookAheadOutcome:
+    """What a finished job did: ``loads`` pages loaded and ``clears`` slots cleared (see
+    :class:`StagingLayout` for where; ``end``: the used prefix of the staging buffer, in bytes),
+    ``width`` pages selected per (sequence, KV head) at most."""
 
     loads: int
     clears: int
     width: int
-    meta_len: int
-    rows_at: int
     end: int
     #: Pages selected, over sequences and KV heads.
     selected: int
@@ -245,7 +263,7 @@ class LookAheadLayer:
 
     The arrays are lent, not copied: ``queries`` ``[B, H_q, d]`` float32, ``flag`` ``[1]`` int64,
     ``flush_k``/``flush_v`` ``[B, kv_heads, page_size, d]`` (the stores' dtype: float32, float16
-    or bfloat16 as uint16), ``staging`` uint8 of :meth:`staging_bytes` bytes; every job keeps a
+    or bfloat16 as uint16), ``staging`` uint8 of :meth:`staging_layout` ``bytes``; every job keeps a
     reference to each until it has finished. The caller must not touch them, nor a lane's
     stores and histories, while a job runs (:meth:`done`, :meth:`wait`).
 
@@ -313,8 +331,8 @@ class LookAheadLayer:
     def clear(self) -> None:
         """Forgets the current job and every lane (after the job finished or was cancelled)."""
     @staticmethod
-    def staging_bytes(
+    def staging_layout(
         *, batch: int, kv_heads: int, dim: int, page_size: int, itemsize: int, max_pages: int, capacity: int
-    ) -> int:
-        """Largest staging a job of this shape may need: ``capacity`` device page slots per
-        (sequence, KV head), ``max_pages`` selected."""
+    ) -> StagingLayout:
+        """The staging layout of a layer of this shape: ``capacity`` device page slots per
+        (sequence, KV head), ``max_pages`` selected per step."""

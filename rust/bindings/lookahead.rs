@@ -16,16 +16,23 @@ use pyo3::prelude::*;
 
 use super::{numpy_of, to_py, PyHeadForest, PyResidentPages};
 use crate::lookahead::{
-    Elem, FollowerLane, Flush, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, StagingLayout,
+    Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, StagingLayout,
     Work,
 };
 use crate::select::SelectParams;
 
 type Keep = Arc<Vec<Py<PyAny>>>;
 
-/// A C-contiguous, writable array: its memory, shape and element type (`None`: not a K/V
-/// element type), plus a reference that keeps it alive.
-fn lend(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(HostBuf, Vec<usize>, Option<Elem>, Py<PyAny>)> {
+/// A C-contiguous, writable array lent to jobs: its memory, shape and element type (`None`:
+/// not a K/V element type), and a reference that keeps it alive.
+struct Lent {
+    buf: HostBuf,
+    shape: Vec<usize>,
+    elem: Option<Elem>,
+    keep: Py<PyAny>,
+}
+
+fn lend(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Lent> {
     let a = numpy_of(obj)?;
     if !a.is_c_contiguous() {
         return Err(PyValueError::new_err(format!("{what} must be C-contiguous")));
@@ -39,7 +46,7 @@ fn lend(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(HostBuf, Vec<usize>, Op
     // SAFETY: the returned reference keeps `a` alive and jobs hold it while they run; `a` is
     // C-contiguous with `nbytes` bytes at `ptr`; the module docs state the caller's part.
     let buf = unsafe { HostBuf::new(ptr, nbytes) };
-    Ok((buf, a.shape().to_vec(), elem_of(&a), a.into_any().unbind()))
+    Ok(Lent { buf, shape: a.shape().to_vec(), elem: elem_of(&a), keep: a.into_any().unbind() })
 }
 
 fn elem_of(a: &Bound<'_, PyUntypedArray>) -> Option<Elem> {
@@ -219,23 +226,23 @@ impl PyLookAheadLayer {
         if refresh == 0 {
             return Err(PyValueError::new_err("refresh must be at least 1"));
         }
-        let (qb, qs, qe, qk) = lend(queries, "queries")?;
+        let Lent { buf: qb, shape: qs, elem: qe, keep: qk } = lend(queries, "queries")?;
         if qe != Some(Elem::F32) || qs.len() != 3 || qs[0] == 0 || kv_heads == 0 || qs[1] % kv_heads != 0 {
             return Err(shape_err("queries", "float32 [B, H_q, d] with H_q a multiple of kv_heads", &qs));
         }
         let (batch, query_heads, dim) = (qs[0], qs[1], qs[2]);
-        let (fb, fs, _, fk) = lend(flag, "flag")?;
+        let Lent { buf: fb, shape: fs, keep: fk, .. } = lend(flag, "flag")?;
         if fs != [1] || fb.len() != 8 {
             return Err(shape_err("flag", "int64 [1]", &fs));
         }
-        let (kb, ks, ke, kk) = lend(flush_k, "flush_k")?;
-        let (vb, vs, ve, vk) = lend(flush_v, "flush_v")?;
+        let Lent { buf: kb, shape: ks, elem: ke, keep: kk } = lend(flush_k, "flush_k")?;
+        let Lent { buf: vb, shape: vs, elem: ve, keep: vk } = lend(flush_v, "flush_v")?;
         let elem = ke.ok_or_else(|| PyValueError::new_err("flush_k must be float32, float16 or bf16 (uint16)"))?;
         let want = [batch, kv_heads, page_size, dim];
         if ks != want || vs != want || ve != ke {
             return Err(shape_err("flush_k and flush_v", &format!("{want:?} of one dtype"), &ks));
         }
-        let (sb, _, _, sk) = lend(staging, "staging")?;
+        let Lent { buf: sb, keep: sk, .. } = lend(staging, "staging")?;
         if !crate::pages::PAGE_SIZES.contains(&page_size) || max_pages == 0 {
             return Err(PyValueError::new_err("page_size must be in 8..=64 and max_pages at least 1"));
         }
@@ -245,7 +252,9 @@ impl PyLookAheadLayer {
         let geometry = Geometry { heads: kv_heads, query_heads, dim, page_size, elem };
         if let Some(l) = &leader {
             let l = l.get();
-            if l.batch != batch || (l.geometry.heads, l.geometry.page_size) != (kv_heads, page_size) || l.leader.is_some()
+            if l.batch != batch
+                || (l.geometry.heads, l.geometry.page_size) != (kv_heads, page_size)
+                || l.leader.is_some()
             {
                 return Err(PyValueError::new_err("leader must be a leading layer of the same batch, heads and pages"));
             }
@@ -290,10 +299,14 @@ impl PyLookAheadLayer {
         if b >= self.batch {
             return Err(PyValueError::new_err(format!("b = {b} outside the batch of {}", self.batch)));
         }
-        let (kb, ks, ke, kk) = lend(k_store, "k_store")?;
-        let (vb, vs, ve, vk) = lend(v_store, "v_store")?;
+        let Lent { buf: kb, shape: ks, elem: ke, keep: kk } = lend(k_store, "k_store")?;
+        let Lent { buf: vb, shape: vs, elem: ve, keep: vk } = lend(v_store, "v_store")?;
         if ks.len() != 4 || ks[0] != g.heads || ks[2] != g.page_size || ks[3] != g.dim || vs != ks {
-            return Err(shape_err("k_store and v_store", &format!("[{}, P, {}, {}]", g.heads, g.page_size, g.dim), &ks));
+            return Err(shape_err(
+                "k_store and v_store",
+                &format!("[{}, P, {}, {}]", g.heads, g.page_size, g.dim),
+                &ks,
+            ));
         }
         if ke != Some(g.elem) || ve != Some(g.elem) {
             return Err(PyValueError::new_err("the stores must have the flushed tokens' dtype"));
@@ -318,7 +331,9 @@ impl PyLookAheadLayer {
             });
             let r_heads = r.inner.lock().unwrap_or_else(|e| e.into_inner()).num_heads();
             if !ok || r_heads != g.heads {
-                return Err(PyValueError::new_err("the forest or resident pages do not match the layer's heads and pages"));
+                return Err(PyValueError::new_err(
+                    "the forest or resident pages do not match the layer's heads and pages",
+                ));
             }
             lane.forest = forest.map(|f| f.inner.clone());
             lane.resident = Some(r.inner.clone());
@@ -326,10 +341,15 @@ impl PyLookAheadLayer {
             let (Some(hk), Some(hv)) = (k_history, v_history) else {
                 return Err(PyValueError::new_err("a following layer's lane needs its histories"));
             };
-            let (hkb, hks, hke, hkk) = lend(hk, "k_history")?;
-            let (hvb, hvs, hve, hvk) = lend(hv, "v_history")?;
-            if hks.len() != 3 || hks[0] != g.heads || hks[2] != g.dim || hvs != hks || hke != Some(g.elem) || hve != hke {
-                return Err(shape_err("k_history and v_history", &format!("[{}, n, {}] in the stores' dtype", g.heads, g.dim), &hks));
+            let Lent { buf: hkb, shape: hks, elem: hke, keep: hkk } = lend(hk, "k_history")?;
+            let Lent { buf: hvb, shape: hvs, elem: hve, keep: hvk } = lend(hv, "v_history")?;
+            if hks.len() != 3 || hks[0] != g.heads || hks[2] != g.dim || hvs != hks || hke != Some(g.elem) || hve != hke
+            {
+                return Err(shape_err(
+                    "k_history and v_history",
+                    &format!("[{}, n, {}] in the stores' dtype", g.heads, g.dim),
+                    &hks,
+                ));
             }
             lane.k_history = hkb;
             lane.v_history = hvb;
@@ -338,7 +358,9 @@ impl PyLookAheadLayer {
         lane.keep = Arc::new(keep);
         let mut st = self.state();
         if st.current.as_ref().is_some_and(|j| !j.is_done()) {
-            return Err(PyRuntimeError::new_err("a job of this layer is running: wait for it before changing its buffers"));
+            return Err(PyRuntimeError::new_err(
+                "a job of this layer is running: wait for it before changing its buffers",
+            ));
         }
         st.lanes[b] = Some(lane);
         Ok(())
@@ -346,7 +368,13 @@ impl PyLookAheadLayer {
 
     /// Starts this layer's job for one step. See ``icecache/_core.pyi``.
     #[pyo3(signature = (flushed, *, step = None, history_lens = None))]
-    fn start(&self, py: Python<'_>, flushed: Vec<usize>, step: Option<i64>, history_lens: Option<Vec<usize>>) -> PyResult<()> {
+    fn start(
+        &self,
+        py: Python<'_>,
+        flushed: Vec<usize>,
+        step: Option<i64>,
+        history_lens: Option<Vec<usize>>,
+    ) -> PyResult<()> {
         let g = self.geometry;
         if flushed.len() != self.batch || flushed.iter().any(|&m| m > g.page_size) {
             return Err(PyValueError::new_err(format!(
@@ -371,7 +399,9 @@ impl PyLookAheadLayer {
             .lanes
             .iter()
             .enumerate()
-            .map(|(b, l)| l.clone().ok_or_else(|| PyValueError::new_err(format!("sequence {b} has no buffers (set_lane)"))))
+            .map(|(b, l)| {
+                l.clone().ok_or_else(|| PyValueError::new_err(format!("sequence {b} has no buffers (set_lane)")))
+            })
             .collect::<PyResult<_>>()?;
         let keep: Vec<Keep> = std::iter::once(self.keep.clone()).chain(lanes.iter().map(|l| l.keep.clone())).collect();
         let work = match leader_job {
@@ -390,7 +420,7 @@ impl PyLookAheadLayer {
                 queries: self.queries,
                 select: self.select,
                 // Run-now jobs always select: they serve the step they run in.
-                reselect: step.is_none() || number % self.refresh == 0,
+                reselect: step.is_none() || number.is_multiple_of(self.refresh),
             },
             Some(leader) => {
                 let lens = history_lens.ok_or_else(|| PyValueError::new_err("a following layer needs history_lens"))?;

@@ -7,7 +7,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -77,13 +77,13 @@ class Runtime:
     #: Synchronise the device at every timing boundary so that the breakdown in :attr:`stats`
     #: is device time, not launch time (slower; for benchmarks).
     sync_timing: bool = False
-    transit: Transit = None
+    transit: Transit = field(init=False)
     _index: Optional[ThreadPoolExecutor] = None
     _pending: List[Future] = field(default_factory=list)
     #: Query heads of every attention layer (of this process: tensor parallelism shards them).
     query_heads: int = 0
     _worker: Optional[_core.LookAhead] = None
-    _graph_pool: Optional[tuple] = None
+    _graph_pool: Optional[Any] = None
 
     def __post_init__(self) -> None:
         self.transit = Transit(self.device)
@@ -97,7 +97,7 @@ class Runtime:
             self._worker = _core.LookAhead(threads)
         return self._worker
 
-    def graph_pool(self) -> tuple:
+    def graph_pool(self) -> Any:
         """One CUDA graph memory pool for every layer's graphs (they replay in stream order)."""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
@@ -180,7 +180,7 @@ class IceLayer(CacheLayerMixin):
         self.is_initialized = False
         self.length = 0
         self.decoding = False
-        self._prompt = None
+        self._prompt: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.jobs: Optional[_core.LookAheadLayer] = None
         self._step: Optional[DeviceStep] = None
         self._step_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
@@ -333,7 +333,7 @@ class IceLayer(CacheLayerMixin):
                 self.indexes[b].add(k_host, v_host, self.stores[b])
             else:
                 self.histories[b].append(k_host, v_host)
-                self.leader.indexes[b].follow(self.histories[b], self.stores[b])
+                self._lead.indexes[b].follow(self.histories[b], self.stores[b])
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Take this step's token into each sequence's window; a full window first hands its
@@ -381,6 +381,20 @@ class IceLayer(CacheLayerMixin):
             self._in_job[b] = 0
 
     # ------------------------------------------------------------------ host jobs
+
+    @property
+    def _jobs(self) -> _core.LookAheadLayer:
+        """The layer's host jobs (made at its first decode step)."""
+        if self.jobs is None:
+            raise RuntimeError(f"IceCache layer {self.layer_idx} has not started decoding")
+        return self.jobs
+
+    @property
+    def _lead(self) -> IceLayer:
+        """The layer whose page layout this one reuses."""
+        if self.leader is None:
+            raise RuntimeError(f"IceCache layer {self.layer_idx} leads its reuse group")
+        return self.leader
 
     def _buffers(self) -> StepBuffers:
         """The layer's host buffers, made at the first decode step (the query heads are known
@@ -471,10 +485,10 @@ class IceLayer(CacheLayerMixin):
         store = self.stores[b]
         if self.leader is None:
             index = self.indexes[b]
-            self.jobs.set_lane(b, *store.views(), forest=index.forest, resident=index.resident)
+            self._jobs.set_lane(b, *store.views(), forest=index.forest, resident=index.resident)
         else:
             k_hist, v_hist = self.histories[b].views()
-            self.jobs.set_lane(b, *store.views(), k_history=k_hist, v_history=v_hist)
+            self._jobs.set_lane(b, *store.views(), k_history=k_hist, v_history=v_hist)
 
     def _start_job(self, query: torch.Tensor, now: bool) -> None:
         """Start the job that prepares the next step, with this step's flushed tokens: run now
@@ -505,11 +519,11 @@ class IceLayer(CacheLayerMixin):
             bufs.queries.copy_(query)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            self.jobs.start(flushed, history_lens=lens)
+            self._jobs.start(flushed, history_lens=lens)
             return
         # The device step copied the queries and wrote the step number (behind the attention).
         self.steps += 1
-        self.jobs.start(flushed, step=self.steps, history_lens=lens)
+        self._jobs.start(flushed, step=self.steps, history_lens=lens)
 
     def _first_pages(self, flushed: List[int]) -> None:
         """Build the index of a sequence whose prompt fit in sink and window from its first
@@ -520,7 +534,7 @@ class IceLayer(CacheLayerMixin):
         if leading:
             self._built_now = [False] * self.batch
         for b, m in enumerate(flushed):
-            built = self.indexes[b].forest is None if leading else self.leader._built_now[b]
+            built = self.indexes[b].forest is None if leading else self._lead._built_now[b]
             if not (m and built):
                 continue
             if self.device.type == "cuda":
@@ -532,7 +546,7 @@ class IceLayer(CacheLayerMixin):
                 self._built_now[b] = True
             else:
                 self.histories[b].append(k, v)
-                self.leader.indexes[b].follow(self.histories[b], self.stores[b])
+                self._lead.indexes[b].follow(self.histories[b], self.stores[b])
             flushed[b] = 0
             self._lend(b)
 
@@ -566,7 +580,7 @@ class IceLayer(CacheLayerMixin):
         t0 = rt.tick()
         if not cfg.lookahead or self.steps == 0:
             self._start_job(q, now=True)
-        outcome = self.jobs.wait()
+        outcome = self._jobs.wait()
         t1 = rt.tick()
         table = self._apply(outcome)
         t2 = rt.tick()
@@ -578,6 +592,8 @@ class IceLayer(CacheLayerMixin):
         # The budget: sink + window (+ a flushed page still attended) + pages.
         window = max(self.win_len)
         pages = max(0, min(cfg.retrieved_pages, (cfg.budget - max(self.sink_len) - window) // cfg.page_size))
+        if self._step is None or self._step_kv is None:
+            raise RuntimeError(f"IceCache layer {self.layer_idx}: attention without its update")
         k, v = self._step_kv
         out, res = self._step(q, k, v, pages, keep=keep, want_lse=rt.track_recall)
         t3 = rt.tick()

@@ -137,6 +137,8 @@ class PageIndex:
     def follow(self, history: History, store: PageStore) -> None:
         """Write a reusing layer's prompt (``history``) into ``store`` in this index's layout."""
         forest = self.forest
+        if forest is None:
+            raise RuntimeError("PageIndex.follow() needs an add() first: the leader's layout")
         store.reserve(headroom(forest.max_pages()))
         k_src = numpy_view(history.k[:, : history.n])
         v_src = numpy_view(history.v[:, : history.n])

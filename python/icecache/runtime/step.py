@@ -16,7 +16,7 @@ position and the step counter live on the device and advance inside the graph.
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -57,7 +57,7 @@ class DeviceStep:
         scale: float,
         handoff: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
         graphs: bool = False,
-        pool: Optional[tuple] = None,
+        pool: Optional[Any] = None,
     ):
         _, B, H, L, D = dense_kv.shape
         S = pool_masks.shape[1]
