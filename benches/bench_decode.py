@@ -6,9 +6,13 @@ real text (shipped Austen). The prompt is prefilled once (exact attention either
 ``--steps`` one-token greedy decode steps run with a copy of the full cache and with IceCache
 (``from_prefilled``) at each budget, interleaved ``--repeats`` times; medians are reported.
 
-IceCache's per-token time is split into page selection (+ load planning), gather into staging,
-host-to-device copy + scatter (a plain copy on the CPU), attention over sink + pages + window,
-and the rest of the model (everything else: projections, MLPs, full-cache layers).
+IceCache runs with look-ahead (the default) and with fresh selection. Its per-token time is
+split into the window update, waiting for the layer's host job (with look-ahead: the job the
+worker started a step earlier; with fresh selection: the whole job), the copy of the job's pages
+to the device pool (a view on the CPU), ranking + attention, and the rest of the model
+(everything else: projections, MLPs, full-cache layers); with the pages the host selected and
+loaded per token (over layers and KV heads). On the CPU the look-ahead worker shares the cores
+with the model.
 
     python benches/bench_decode.py [--tokens 8000] [--steps 32] [--budgets 256] [--repeats 3]
 """
@@ -65,17 +69,18 @@ def main(argv=None) -> int:
     last = ids[:, -1:]
 
     runs = {"full cache": []}
-    for b in args.budgets:
-        runs[f"IceCache {b}"] = []
+    variants = [(b, la) for b in args.budgets for la in (True, False)]
+    for b, la in variants:
+        runs[f"IceCache {b}{'' if la else ' fresh'}"] = []
     for rep in range(args.repeats):
         full = copy.deepcopy(prefix)
         runs["full cache"].append((decode(model, full, last, args.steps), None))
         del full
-        for b in args.budgets:
-            cache = IceCache.from_prefilled(IceCacheConfig(budget=b), model, prefix)
+        for b, la in variants:
+            cache = IceCache.from_prefilled(IceCacheConfig(budget=b, lookahead=la), model, prefix)
             cache.wait_indexed()  # time decoding only, not the prompt's indexing
             t = decode(model, cache, last, args.steps)
-            runs[f"IceCache {b}"].append((t, copy.deepcopy(cache.stats)))
+            runs[f"IceCache {b}{'' if la else ' fresh'}"].append((t, copy.deepcopy(cache.stats)))
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
 
     print(
@@ -91,18 +96,19 @@ def main(argv=None) -> int:
         f"SmolLM2-135M, {ids.shape[1] - 1}-token context, {args.steps} decode steps, median of "
         f"{args.repeats} interleaved repeats; ms per token"
     )
-    print("| cache | total | selection | gather | copy | attention | rest of model |")
-    print("|---|---|---|---|---|---|---|")
+    print("| cache | total | update | wait | copy | attention | rest of model | pages selected/tok | loaded/tok |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, rs in runs.items():
         total = statistics.median(t for t, _ in rs) * 1e3
         if rs[0][1] is None:
-            print(f"| {name} | {total:.1f} | - | - | - | - | - |")
+            print(f"| {name} | {total:.1f} | - | - | - | - | - | - | - |")
             continue
-        per = lambda f, rs=rs: statistics.median(f(s) / args.steps for _, s in rs) * 1e3  # noqa: E731
-        sel, gat, cp, att = (per(lambda s, k=k: getattr(s, k)) for k in ("select_s", "gather_s", "copy_s", "attend_s"))
+        per = lambda f, rs=rs: statistics.median(f(s) / args.steps for _, s in rs)  # noqa: E731
+        parts = [per(lambda s, k=k: getattr(s, k)) * 1e3 for k in ("update_s", "wait_s", "copy_s", "attend_s")]
+        sel, load = (per(lambda s, k=k: getattr(s, k)) for k in ("pages_selected", "pages_loaded"))
         print(
-            f"| {name} | {total:.1f} | {sel:.2f} | {gat:.2f} | {cp:.2f} | {att:.2f} | "
-            f"{total - sel - gat - cp - att:.1f} |"
+            f"| {name} | {total:.1f} | " + " | ".join(f"{x:.2f}" for x in parts) + f" | {total - sum(parts):.1f} | "
+            f"{sel:.0f} | {load:.0f} |"
         )
     return 0
 

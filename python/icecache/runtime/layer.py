@@ -595,7 +595,8 @@ class IceLayer(CacheLayerMixin):
         if self._step is None or self._step_kv is None:
             raise RuntimeError(f"IceCache layer {self.layer_idx}: attention without its update")
         k, v = self._step_kv
-        out, res = self._step(q, k, v, pages, keep=keep, want_lse=rt.track_recall)
+        staged = (outcome.loads, outcome.loads + outcome.clears)
+        out, res = self._step(q, k, v, pages, staged, keep=keep, want_lse=rt.track_recall)
         t3 = rt.tick()
         if rt.track_recall:
             self._track_recall(q, res, outcome, pages, scale)

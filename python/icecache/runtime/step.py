@@ -97,15 +97,25 @@ class DeviceStep:
         slots = torch.tensor([self._ring_first + s for s in next_slots], dtype=torch.int64)
         self.window_at.copy_(slots)
 
-    def _ops(self, pages: int, keep: Optional[torch.Tensor] = None, want_lse: bool = False) -> RankedAttention:
+    def _ops(
+        self,
+        pages: int,
+        keep: Optional[torch.Tensor] = None,
+        want_lse: bool = False,
+        staged: Optional[Tuple[int, int]] = None,
+    ) -> RankedAttention:
         # The step's token into the window ring, then the next position.
         at = self.window_at[:, None]
         self.dense_kv[:, self._b, self._h, at] = self.kv
         self.dense_valid.index_put_((self._b, self._h, at), self._true)
         self.window_at.sub_(self._ring_first - 1).remainder_(self._ring).add_(self._ring_first)
-        # The job's pages and masks (padded entries land in the trash slot).
-        self._pool_rows.index_copy_(1, self._load_idx, self._rows)
-        self._pool_masks.index_copy_(0, self._mask_idx, self._masks)
+        # The job's pages and masks: all entries in a graph (padded ones land in the trash
+        # slot), only the ``staged`` (loads, masks) ones eagerly.
+        n, m = staged if staged is not None else (len(self._load_idx), len(self._mask_idx))
+        if n:
+            self._pool_rows.index_copy_(1, self._load_idx[:n], self._rows[:, :n])
+        if m:
+            self._pool_masks.index_copy_(0, self._mask_idx[:m], self._masks[:m])
         res = ranked_decode_attention(
             self.query,
             self.pool_kv,
@@ -130,12 +140,14 @@ class DeviceStep:
         key: torch.Tensor,
         value: torch.Tensor,
         pages: int,
+        staged: Tuple[int, int],
         keep: Optional[torch.Tensor] = None,
         want_lse: bool = False,
     ) -> Tuple[torch.Tensor, Optional[RankedAttention]]:
-        """One step for ``query`` ``[B, H_q, D]``, ``key``/``value`` ``[B, H, D]``: the output
-        ``[B, H_q, D]``, and the full result when run eagerly (``keep``, ``want_lse``, or no
-        graphs). A graph's output stays valid until its next replay."""
+        """One step for ``query`` ``[B, H_q, D]``, ``key``/``value`` ``[B, H, D]``, applying the
+        ``staged`` ``(loads, masks)`` entries of the device staging: the output ``[B, H_q, D]``,
+        and the full result when run eagerly (``keep``, ``want_lse``, or no graphs). A graph's
+        output stays valid until its next replay."""
         torch._foreach_copy_([self.query, self.kv[0], self.kv[1]], [query, key, value])
         if self._graphs_on and keep is None and not want_lse:
             try:
@@ -146,7 +158,7 @@ class DeviceStep:
             else:
                 graph.replay()
                 return out, None
-        res = self._ops(pages, keep, want_lse)
+        res = self._ops(pages, keep, want_lse, staged)
         return res.out, res
 
     def _capture(self, pages: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
