@@ -221,7 +221,8 @@ def test_config_defaults_and_derived_sizes():
     fresh = IceCacheConfig(lookahead=False)
     assert fresh.selected_pages == 13 and fresh.device_pages == 16
     assert IceCacheConfig(superset_pages=20).device_pages == 33
-    assert IceCacheConfig(budget=64).retrieved_pages == 1
+    small = IceCacheConfig(budget=64)
+    assert small.retrieved_pages == 1 and small.selected_pages == 32 and small.device_pages == 33
     assert icecache.IceCacheConfig is IceCacheConfig and icecache.IceCache is IceCache
 
 

@@ -10,8 +10,10 @@ __all__ = ["IceCacheConfig"]
 
 # HeadForest accepts pages of 8..=64 tokens.
 _PAGE_SIZES = range(8, 65)
-#: Default look-ahead superset, in multiples of the pages a step attends (see ``superset_pages``).
+#: Default look-ahead superset: this many times the pages a step attends, and at least
+#: ``SUPERSET_MIN`` pages (see ``superset_pages``).
 SUPERSET_FACTOR = 4
+SUPERSET_MIN = 32
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,11 @@ class IceCacheConfig:
             heaviest ``retrieved_pages``. ``False``: fresh selection, where every step sends its
             queries to the host and waits for the selection (the exact reference, slower).
         superset_pages: pages the look-ahead selects per (layer, KV head, step), ranked on the
-            device. Default: ``4 * retrieved_pages`` (measured by ``icecache eval recall``; see
-            benches/RESULTS.md). Ignored with fresh selection.
-        successors: with look-ahead, the weight of each query head's ``successors`` heaviest
+            device. Default: ``4 * retrieved_pages``, at least 32 (measured on real SmolLM2
+            attention, see benches/RESULTS.md: 4x at budget 256; small budgets need the floor).
+            Ignored with fresh selection.
+        successors: with look-ahead (fresh selection serves the step it selects for, so it uses
+            none), the weight of each query head's ``successors`` heaviest
             keys also goes to the page of the next position, so that a head copying text from
             the context (it attends one token further on at the next step) finds that page in
             the superset (``HeadForest.select``'s ``successors``; 0: off).
@@ -147,7 +151,9 @@ class IceCacheConfig:
         retrieved pages with fresh selection."""
         if not self.lookahead:
             return self.retrieved_pages
-        return self.superset_pages if self.superset_pages is not None else SUPERSET_FACTOR * self.retrieved_pages
+        if self.superset_pages is not None:
+            return self.superset_pages
+        return max(SUPERSET_FACTOR * self.retrieved_pages, SUPERSET_MIN)
 
     @property
     def device_pages(self) -> int:

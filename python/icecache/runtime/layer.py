@@ -449,7 +449,7 @@ class IceLayer(CacheLayerMixin):
             max_pages=cfg.selected_pages,
             scale=scale,
             effort=cfg.effort,
-            successors=cfg.successors,
+            successors=cfg.successors if cfg.lookahead else 0,
             refresh=cfg.refresh,
             leader=leader_jobs,
         )
