@@ -19,10 +19,12 @@
 //!
 //! Modules: `cells` (tiers of cells, the storage), `descent` (the beam descent), `rank` (packed
 //! scores, best-k), `tree` (build, insert, delete), `search` (queries), `pdci` (P-DCI inside a
-//! large leaf cell), `persist` (save files, invariant checks). `tree` and `search` share
-//! `cells`, `descent` and `rank` and do not use each other.
+//! large leaf cell), `persist` (save files), `check` (structural checks of loaded files, and
+//! the invariants tests assert). `tree` and `search` share `cells`, `descent` and `rank` and do
+//! not use each other.
 
 mod cells;
+mod check;
 mod descent;
 mod pdci;
 mod persist;
@@ -336,7 +338,8 @@ impl DciIndex {
     /// Checks every structural invariant of the tree; `Err` names the first one broken.
     /// Meant for tests and debugging: it walks the whole index.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        self.check_consistency(true)
+        self.check_structure()?;
+        self.check_tree()
     }
 
     pub fn stats(&self) -> Stats {

@@ -203,6 +203,30 @@ impl DciIndex {
         }
     }
 
+    /// Every live cell's sums and route from its members (a loaded file's sums are not trusted:
+    /// every later route derives from them).
+    pub(super) fn recompute_sums(&mut self) {
+        let d = self.cfg.dim;
+        for t in 0..self.tiers.len() {
+            for cell in 0..self.tiers[t].cells.len() {
+                let c = &self.tiers[t].cells[cell];
+                if !c.live {
+                    continue;
+                }
+                let mut sum = vec![0f64; d];
+                let mut extra = 0f64;
+                for &m in &c.members {
+                    sum.iter_mut().zip(self.key(m)).for_each(|(s, &x)| *s += x as f64);
+                    extra += self.extra(m) as f64;
+                }
+                let c = &mut self.tiers[t].cells[cell];
+                c.sum = sum;
+                c.sum_extra = extra;
+                self.update_route(t, cell as u32);
+            }
+        }
+    }
+
     /// Codes and P-DCI arrays of every tier-0 cell, from scratch (after a build or a change of `c`).
     fn reindex_leaves(&mut self) {
         let d = self.cfg.dim;
