@@ -40,6 +40,8 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         Error::File(m) => IndexFileError::new_err(m),
         Error::Io(e) => e.into(),
         Error::Worker(m) => PyRuntimeError::new_err(m),
+        Error::Memory(m) => pyo3::exceptions::PyMemoryError::new_err(m),
+        e @ Error::Internal(_) => PyRuntimeError::new_err(e.to_string()),
     }
 }
 
@@ -586,7 +588,7 @@ impl PyHeadForest {
         };
         let data = q.data();
         let inner = &*f;
-        let (pages, counts) = run(py, &self.pool, true, || inner.select(&data.to_f32(), params))?;
+        let (pages, counts) = run(py, &self.pool, true, || inner.select(&data.to_f32_vec(), params))?;
         let h = f.num_heads();
         let pages = Array2::from_shape_vec((h, params.max_pages), pages).expect("shape");
         Ok((pages.into_pyarray(py), counts.into_pyarray(py)))
@@ -671,10 +673,10 @@ impl PyResidentPages {
     }
 
     /// ``[H_kv, capacity]`` int32: the page in each device slot, -1 for an empty one.
-    fn slot_pages<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i32>> {
+    fn slot_pages<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let resident = self.lock();
         let shape = (resident.num_heads(), resident.capacity());
-        Array2::from_shape_vec(shape, resident.slot_pages()).expect("shape").into_pyarray(py)
+        Ok(Array2::from_shape_vec(shape, resident.slot_pages().map_err(to_py)?).expect("shape").into_pyarray(py))
     }
 
     /// Marks pages of ``head`` stale (reloaded when next selected).

@@ -274,7 +274,7 @@ impl DciIndex {
     /// Into an empty index this is a parallel bulk build (rayon); otherwise each key is inserted
     /// incrementally. All input is validated before anything changes.
     pub fn add(&mut self, keys: KeyData<'_>, ids: Option<&[i64]>) -> Result<Vec<i64>> {
-        let keys = keys.to_f32();
+        let keys = keys.to_f32_vec();
         let n = check_rows(&keys, self.cfg.dim, "keys")?;
         let ids = self.check_new_ids(n, ids)?;
         if n == 0 {
@@ -283,7 +283,7 @@ impl DciIndex {
         if self.len == 0 && self.cfg.metric == Metric::L2 {
             self.shift = mean_row(&keys, self.cfg.dim);
         }
-        let keys = self.shifted(keys);
+        let keys = self.shift_rows(keys);
         if self.len == 0 {
             self.build(&keys, &ids);
         } else {
@@ -324,9 +324,9 @@ impl DciIndex {
         effort: Option<f32>,
         exact: bool,
     ) -> Result<(Vec<i64>, Vec<f32>)> {
-        let queries = queries.to_f32();
+        let queries = queries.to_f32_vec();
         let nq = check_rows(&queries, self.cfg.dim, "queries")?;
-        let queries = self.shifted(queries);
+        let queries = self.shift_rows(queries);
         ensure!(self.len > 0, "the index is empty");
         ensure!(k >= 1, "k must be at least 1, got {k}");
         ensure!(k <= self.len, "k = {k} is larger than the number of points in the index ({})", self.len);
@@ -396,15 +396,13 @@ impl DciIndex {
     }
 
     /// Applies `shift` (L2) to rows arriving from the caller.
-    fn shifted<'a>(&self, rows: std::borrow::Cow<'a, [f32]>) -> std::borrow::Cow<'a, [f32]> {
-        if self.shift.is_empty() {
-            return rows;
+    fn shift_rows(&self, mut rows: Vec<f32>) -> Vec<f32> {
+        if !self.shift.is_empty() {
+            for r in rows.chunks_exact_mut(self.cfg.dim) {
+                r.iter_mut().zip(&self.shift).for_each(|(x, s)| *x -= s);
+            }
         }
-        let mut owned = rows.into_owned();
-        for r in owned.chunks_exact_mut(self.cfg.dim) {
-            r.iter_mut().zip(&self.shift).for_each(|(x, s)| *x -= s);
-        }
-        std::borrow::Cow::Owned(owned)
+        rows
     }
 
     // ---- views for the page layer ----

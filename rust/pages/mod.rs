@@ -82,7 +82,7 @@ impl HeadForest {
         ensure!(num_heads >= 1, "keys must have at least one head");
         cfg.validate()?;
         let d = cfg.dim;
-        let keys = keys.to_f32();
+        let keys = keys.to_f32_vec();
         let rows = check_rows(&keys, d, "keys")?;
         ensure!(rows % num_heads == 0, "keys: {rows} rows do not split into {num_heads} heads");
         let n = rows / num_heads;
@@ -225,7 +225,7 @@ impl HeadForest {
         let m = keys.len() / (h * d);
         let p = self.store_pages(k_store.len(), "k_store", self.max_pages() + m)?;
         ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
-        let f32_keys = T::keys(keys).to_f32();
+        let f32_keys = T::keys(keys).to_f32_vec();
         check_rows(&f32_keys, d, "keys")?;
         let start = self.len;
         let changed = self
