@@ -14,7 +14,6 @@ import textwrap
 _PRELUDE = """
 import numpy as np, icecache
 from icecache import DCIIndex, HeadForest, ResidentPages, gather_pages
-from icecache._core import fold_token_lists
 
 def attempt(f):
     try:
