@@ -37,6 +37,21 @@ def test_select_with_huge_max_pages_raises_memory_error():
     assert out[2:] == ["OK", "True True"], out
 
 
+def test_query_with_a_huge_result_raises_memory_error():
+    """``nq * k`` results (k up to the index size) are allocated fallibly: 2**24 queries of the
+    2**16 nearest keys ask for 12 TB."""
+    out = isolated(
+        """
+        idx = DCIIndex(1, seed=0)
+        idx.add(np.random.default_rng(0).standard_normal((2**16, 1), dtype=np.float32))
+        q = np.ones((2**24, 1), np.float32)
+        attempt(lambda: idx.query(q, 2**16))
+        attempt(lambda: idx.query(q[:2], 3))
+        """
+    )
+    assert out[0].startswith("MemoryError: ") and out[1] == "OK", out
+
+
 def test_resident_pages_capacity_is_range_checked_and_costs_nothing_up_front():
     out = isolated(
         """

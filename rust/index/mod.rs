@@ -332,7 +332,7 @@ impl DciIndex {
         ensure!(k <= self.len, "k = {k} is larger than the number of points in the index ({})", self.len);
         let effort = effort.unwrap_or(self.cfg.effort);
         check_effort(effort)?;
-        Ok(self.query_batch(&queries, nq, k, effort, exact))
+        self.query_batch(&queries, nq, k, effort, exact)
     }
 
     /// Checks every structural invariant of the tree; `Err` names the first one broken.
