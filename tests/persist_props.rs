@@ -76,6 +76,13 @@ fn load_and_use(bytes: &[u8], seed: u64) -> Result<(), TestCaseError> {
         let _ = idx.add(KeyData::F32(&keys(1)), None);
     }
     let _ = idx.add(KeyData::F32(&keys(8)), None);
+    if seed.is_multiple_of(8) {
+        // Past 512 points inserts rebuild the tree: that must hold for a loaded one too.
+        for _ in 0..520usize.saturating_sub(idx.len()) {
+            let _ = idx.add(KeyData::F32(&keys(1)), None);
+        }
+        let _ = idx.validate();
+    }
     let _ = idx.query(KeyData::F32(&q), 2.min(idx.len().max(1)), None, false);
     let dir = tempfile::tempdir().unwrap();
     if idx.save(&dir.path().join("again.dci")).is_ok() {

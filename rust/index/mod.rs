@@ -200,6 +200,17 @@ pub struct DciIndex {
     root: u32,
     rng: Xoshiro256PlusPlus,
     next_id: i64,
+    /// Points, and points of level >= 1, when the tree and the tiers above the leaves were last
+    /// built: inserts rebuild them as they grow (`DciIndex::regrow`). Not saved: a load counts
+    /// from the loaded size.
+    #[serde(skip)]
+    built: usize,
+    #[serde(skip)]
+    upper_built: usize,
+    /// Counts the rebuilds of the leaves (their cells' members change; the owner of the index,
+    /// a `HeadForest`, reads it to re-derive what it keeps per leaf cell).
+    #[serde(skip)]
+    leaf_rebuilds: u64,
 }
 
 const FREE: u8 = u8::MAX;
@@ -243,6 +254,9 @@ impl DciIndex {
             root: NONE,
             rng,
             next_id: 0,
+            built: 0,
+            upper_built: 0,
+            leaf_rebuilds: 0,
         })
     }
 
@@ -461,6 +475,11 @@ impl DciIndex {
                 c.tags.extend(c.members.iter().map(|&m| tags[m as usize]));
             });
         }
+    }
+
+    /// How many times inserts have rebuilt the leaves (see `leaf_rebuilds` in the struct).
+    pub(crate) fn leaf_rebuilds(&self) -> u64 {
+        self.leaf_rebuilds
     }
 
     /// The leaf cell that holds the point with this id (which must exist).

@@ -155,6 +155,8 @@ impl DciIndex {
         }
         index.check_structure().map_err(|why| corrupt(&why))?;
         index.recompute_sums();
+        index.built = index.len;
+        index.upper_built = index.upper_points();
         index.id_map =
             index.level.iter().enumerate().filter(|(_, &l)| l != FREE).map(|(s, _)| (index.ids[s], s as u32)).collect();
         Ok(index)
