@@ -160,9 +160,6 @@ impl PyDciIndex {
     ) -> PyResult<(NdArray2<'py, i64>, NdArray2<'py, f32>)> {
         entry(|| {
             let (queries, nq) = Keys::extract(queries, "queries", self.dim)?;
-            if k < 1 {
-                return Err(PyValueError::new_err(format!("k must be at least 1, got {k}")));
-            }
             let data = queries.data()?;
             let pool = self.pool();
             let (ids, scores) =

@@ -191,10 +191,22 @@ pub(super) mod sizes {
             )*
         };
     }
-    sizes!(
-        dim, k, page_size, head, page, max_pages, num_heads, capacity, successors, kv_heads, refresh, b, batch,
-        itemsize
-    );
+    sizes!(dim, page_size, head, page, num_heads, capacity, successors, kv_heads, b, batch, itemsize);
+
+    /// Counts that must be at least 1.
+    macro_rules! counts {
+        ($($name:ident),* $(,)?) => {
+            $(
+                pub(in crate::bindings) fn $name(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+                    match size(obj, stringify!($name))? {
+                        0 => Err(PyValueError::new_err(concat!(stringify!($name), " must be at least 1, got 0"))),
+                        v => Ok(v),
+                    }
+                }
+            )*
+        };
+    }
+    counts!(k, max_pages, refresh);
 
     /// Optional sizes: `None` passes through.
     macro_rules! optional_sizes {

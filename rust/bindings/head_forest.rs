@@ -28,6 +28,13 @@ impl PyHeadForest {
     fn pool(&self) -> Option<&rayon::ThreadPool> {
         self.pool.as_deref()
     }
+
+    /// K and V page stores: `[H_kv, P, page_size, d]` each.
+    fn check_stores(&self, k_shape: &[usize], v_shape: &[usize]) -> PyResult<()> {
+        let want = [Some(self.num_heads), None, Some(self.page_size), Some(self.dim)];
+        check_shape("k_store", k_shape, &want)?;
+        check_shape("v_store", v_shape, &want)
+    }
 }
 
 #[pymethods]
@@ -144,7 +151,7 @@ impl PyHeadForest {
             // The forest's shared lock first, then the arrays, with the GIL again.
             self.inner.with_read(py, |py, forest| {
                 let [k_src, v_src, k_store, v_store] = arrays.each_ref().map(|a| a.bind(py));
-                let (h, d, s) = (self.num_heads, self.dim, self.page_size);
+                let (h, d) = (self.num_heads, self.dim);
                 let n = forest.len();
                 with_elem!(k_store, "k_store", |T| {
                     let (mut ks, kshape) = rw::<T>(k_store, "k_store")?;
@@ -153,8 +160,7 @@ impl PyHeadForest {
                     let (vr, vrs) = ro::<T>(v_src, "v_src")?;
                     check_shape("k_src", &krs, &[Some(h), Some(n), Some(d)])?;
                     check_shape("v_src", &vrs, &[Some(h), Some(n), Some(d)])?;
-                    check_shape("k_store", &kshape, &[Some(h), None, Some(s), Some(d)])?;
-                    check_shape("v_store", &vshape, &[Some(h), None, Some(s), Some(d)])?;
+                    self.check_stores(&kshape, &vshape)?;
                     let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
                     let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
                     let pool = self.pool();
@@ -179,11 +185,6 @@ impl PyHeadForest {
     ) -> PyResult<(NdArray2<'py, i32>, NdArray1<'py, i32>)> {
         entry(|| {
             let (q, _) = Keys::extract(queries, "queries", self.dim)?;
-            if max_pages < 1 {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "max_pages must be at least 1, got {max_pages}"
-                )));
-            }
             let q = q.data()?;
             let pool = self.pool();
             let dim = self.dim;
@@ -215,7 +216,7 @@ impl PyHeadForest {
             // The lock first: a second writer waits for it instead of failing on the stores.
             let changed = self.inner.with_write(py, |py, forest| {
                 let [keys, values, k_store, v_store] = arrays.each_ref().map(|a| a.bind(py));
-                let (h, d, s) = (self.num_heads, self.dim, self.page_size);
+                let (h, d) = (self.num_heads, self.dim);
                 with_elem!(k_store, "k_store", |T| {
                     let (mut ks, kshape) = rw::<T>(k_store, "k_store")?;
                     let (mut vs, vshape) = rw::<T>(v_store, "v_store")?;
@@ -223,8 +224,7 @@ impl PyHeadForest {
                     let (vr, vrs) = ro::<T>(values, "values")?;
                     check_shape("keys", &krs, &[Some(h), None, Some(d)])?;
                     check_shape("values", &vrs, &[Some(h), Some(krs[1]), Some(d)])?;
-                    check_shape("k_store", &kshape, &[Some(h), None, Some(s), Some(d)])?;
-                    check_shape("v_store", &vshape, &[Some(h), None, Some(s), Some(d)])?;
+                    self.check_stores(&kshape, &vshape)?;
                     let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
                     // Copies: what the core validates must be what it inserts, whatever other
                     // threads do to the caller's arrays meanwhile.

@@ -230,9 +230,6 @@ impl PyLookAheadLayer {
         leader: Option<Py<PyLookAheadLayer>>,
     ) -> PyResult<Self> {
         entry(|| {
-            if refresh == 0 {
-                return Err(PyValueError::new_err("refresh must be at least 1"));
-            }
             let Lent { buf: qb, shape: qs, elem: qe, keep: qk } = lend(queries, "queries")?;
             if qe != Some(Elem::F32) || qs.len() != 3 || qs[0] == 0 || kv_heads == 0 || qs[1] % kv_heads != 0 {
                 return Err(shape_err("queries", "float32 [B, H_q, d] with H_q a multiple of kv_heads", &qs));
