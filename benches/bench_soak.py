@@ -9,10 +9,10 @@ API only (``IceCache``, ``cache.nbytes()``, ``cache.stats``):
    selected and loaded per layer step, and the time per step. Device bytes must stay flat;
    RSS must grow like the host stores (the CPU pages of every new token) plus the index, at a
    constant rate: the slope over the second half of the run is compared with the first half's.
-2. **Exactness** (``--exact-steps``): IceCache with a budget above the final context (every
-   page selected) against the full cache, fed the same tokens (the full cache's greedy
-   choices): the largest logit difference and the agreement of the argmax at every step, with
-   the same memory records for both.
+2. **Exactness** (``--exact-steps``): IceCache with a budget of twice the final context (every
+   page selected; the look-ahead superset is the retrieved pages) against the full cache, fed
+   the same tokens (the full cache's greedy choices): the largest logit difference and the
+   agreement of the argmax at every step, with IceCache's memory records.
 
     python benches/bench_soak.py --prompt 2000 --steps 10000 --exact-steps 10000 --out benches/out/
 
@@ -105,8 +105,12 @@ def exact_run(model, ids, args) -> dict:
     from transformers import DynamicCache
 
     final = ids.shape[1] + args.exact_steps
-    budget = 2 * final  # pages are partly filled: twice the tokens covers every page
-    caches = {"full": DynamicCache(config=model.config), "icecache": IceCache(IceCacheConfig(budget=budget), model)}
+    # Pages are at least half full: twice the tokens covers every page. A look-ahead superset
+    # of just the retrieved pages keeps the device pool at twice those (the default is 5x).
+    cfg = IceCacheConfig(budget=2 * final)
+    cfg = IceCacheConfig(budget=cfg.budget, superset_pages=cfg.retrieved_pages)
+    budget = cfg.budget
+    caches = {"full": DynamicCache(config=model.config), "icecache": IceCache(cfg, model)}
     with torch.inference_mode():
         outs = {k: model(ids, cache=c, logits_to_keep=1) for k, c in caches.items()}
     caches["icecache"].wait_indexed()
