@@ -19,6 +19,17 @@ Everything runs on one thread. The data sets are made by ``benches/data/make_key
 ``queries``).
 
     python benches/bench_index.py --data all --k 100 --queries 1000 --out benches/out/
+
+``--growth`` measures instead how an index grown by ``add`` compares with a bulk build of the
+same keys: one ``add`` of all keys, an index grown from empty in batches of ``--growth-batch``
+keys, and one grown one key per call. For each, at several efforts: single-query latency
+(median; the three indexes are timed in turn, round after round, and each keeps its fastest
+round) and recall@10. It reports the grown indexes' recall at the bulk build's latency at
+effort 1 (interpolated over their efforts) and their latency at the same effort.
+``--data clustered150k`` is the synthetic generator of ``make_keys.py`` at 150,000 keys of
+dimension 64 (made in memory):
+
+    python benches/bench_index.py --growth --data all --out benches/out/
 """
 
 from __future__ import annotations
@@ -60,6 +71,8 @@ except ImportError:  # progress is optional
 
 DATA_DIR = Path(os.environ.get("ICECACHE_BENCH_DIR", "~/.cache/icecache/bench")).expanduser()
 DATA_FILES = {"smollm2": "smollm2_keys.npz", "synthetic": "synthetic_clustered.npz"}
+# Made in memory by make_keys.synthetic_clustered: (n, dim, clusters, queries).
+GENERATED = {"clustered150k": (150_000, 64, 256, 1000)}
 RECALL_TARGET = 0.95
 
 
@@ -77,6 +90,26 @@ def as_f32(a: np.ndarray) -> np.ndarray:
     if a.dtype == np.uint16:  # bf16 bits
         return (a.astype(np.uint32) << 16).view(np.float32)
     return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def generated_dataset(name: str, seed: int) -> dict:
+    """A data set of ``GENERATED``, from the generator of ``benches/data/make_keys.py``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_keys", Path(__file__).parent / "data" / "make_keys.py")
+    assert spec is not None and spec.loader is not None
+    make_keys = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_keys)
+    n, d, clusters, nq = GENERATED[name]
+    data = make_keys.synthetic_clustered(n, d, clusters, nq, seed)
+    return dict(
+        name=name,
+        path=f"make_keys.synthetic_clustered({n}, {d}, {clusters}, {nq}, seed={seed})",
+        keys=data["keys"],
+        queries=data["queries"],
+        key_dtype_on_disk="float32 (in memory)",
+        queries_in_file=nq,
+    )
 
 
 def load_dataset(name: str, n_queries: int | None, head: int) -> dict:
@@ -266,6 +299,86 @@ def bench_numpy(ds, truth, args):
             k=k,
         )
     ]
+
+
+def bench_growth(ds, args) -> dict:
+    """Bulk build vs grown indexes of the same keys (see the module docs); one data set."""
+    import icecache
+
+    keys, queries = ds["keys"], ds["queries"]
+    n, dim = keys.shape
+    truth = exact_topk_ip(keys, queries, 10)
+    indexes, build_s = {}, {}
+    batch = args.growth_batch
+    for name, step in (("bulk", n), (f"batches of {batch}", batch), ("one key per call", 1)):
+        idx = icecache.DCIIndex(dim, "ip", threads=1, seed=args.seed)
+        log(f"[{ds['name']}] {name}")
+        t0 = time.perf_counter()
+        for i in tqdm(range(0, n, step), desc=name, leave=False, file=sys.stderr, mininterval=0.5):
+            idx.add(keys[i : i + step])
+        build_s[name] = time.perf_counter() - t0
+        assert len(idx) == n
+        indexes[name] = idx
+    lat = {(name, e): math.inf for name in indexes for e in args.growth_efforts}
+    for _ in range(args.growth_rounds):
+        for e in args.growth_efforts:
+            for name, idx in indexes.items():
+                t = time_single_queries(lambda q, idx=idx, e=e: idx.query(q, 10, effort=e), queries, f"{name} {e}")
+                lat[name, e] = min(lat[name, e], t[0])
+    rec = {
+        (name, e): recall_at(idx.query(queries, 10, effort=e)[0], truth, 10)
+        for name, idx in indexes.items()
+        for e in args.growth_efforts
+    }
+    bulk_lat, bulk_rec = lat["bulk", 1.0], rec["bulk", 1.0]
+    summary = []
+    for name in indexes:
+        # Recall at the bulk build's latency at effort 1: linear in log latency between the
+        # efforts that bracket it (the nearest end outside them).
+        pts = sorted((math.log(lat[name, e]), rec[name, e]) for e in args.growth_efforts)
+        x = math.log(bulk_lat)
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        at_lat = float(np.interp(x, xs, ys))
+        summary.append(
+            dict(
+                index=name,
+                build_s=build_s[name],
+                recall_at_effort_1=rec[name, 1.0],
+                recall_at_bulk_latency=at_lat,
+                recall_ratio_at_bulk_latency=at_lat / bulk_rec,
+                latency_us_at_effort_1=lat[name, 1.0],
+                latency_ratio_at_effort_1=lat[name, 1.0] / bulk_lat,
+            )
+        )
+    curves = [
+        dict(index=name, effort=e, latency_us=lat[name, e], recall_at_10=rec[name, e])
+        for name in indexes
+        for e in args.growth_efforts
+    ]
+    return dict(data=ds["name"], n=n, dim=dim, n_queries=len(queries), summary=summary, curves=curves)
+
+
+def growth_markdown(results: list) -> str:
+    out = []
+    for r in results:
+        out += [
+            f"### {r['data']}: {r['n']} keys x {r['dim']}, {r['n_queries']} queries",
+            "",
+            "| index | add time s | R@10 effort 1 | µs effort 1 (x bulk) | R@10 at bulk's µs (x bulk) |",
+            "|---|---|---|---|---|",
+        ]
+        for s in r["summary"]:
+            out.append(
+                f"| {s['index']} | {s['build_s']:.2f} | {s['recall_at_effort_1']:.3f} | "
+                f"{s['latency_us_at_effort_1']:.1f} ({s['latency_ratio_at_effort_1']:.2f}x) | "
+                f"{s['recall_at_bulk_latency']:.3f} ({s['recall_ratio_at_bulk_latency']:.3f}x) |"
+            )
+        out += ["", "| index | effort | µs | R@10 |", "|---|---|---|---|"]
+        out += [
+            f"| {c['index']} | {c['effort']:g} | {c['latency_us']:.1f} | {c['recall_at_10']:.3f} |" for c in r["curves"]
+        ]
+        out.append("")
+    return "\n".join(out)
 
 
 def l2_transform(keys, queries):
@@ -512,7 +625,11 @@ def parse_ints(s):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", choices=["smollm2", "synthetic", "all"], default="all")
+    ap.add_argument("--data", choices=["smollm2", "synthetic", *GENERATED, "all"], default="all")
+    ap.add_argument("--growth", action="store_true", help="grown indexes against a bulk build (module docs)")
+    ap.add_argument("--growth-batch", type=int, default=1000, help="keys per add of the batch-grown index")
+    ap.add_argument("--growth-efforts", type=parse_floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0])
+    ap.add_argument("--growth-rounds", type=int, default=3, help="timing rounds (each index keeps its fastest)")
     ap.add_argument("--k", type=int, default=100, help="neighbours per query (recall@k is reported)")
     ap.add_argument("--queries", type=int, default=None, help="use this many queries (default: all in the file)")
     ap.add_argument("--out", type=Path, default=Path("benches/out"), help="folder for the JSON (and .md) results")
@@ -531,6 +648,8 @@ def main(argv=None):
         import icecache  # noqa: F401
     except ImportError as e:
         sys.exit(f"error: cannot import icecache ({e}); build it first (maturin develop --release)")
+    if args.growth:
+        return growth_main(args, argv)
     if not skip >= {"hnsw-ip", "hnsw-l2"}:
         try:
             import hnswlib  # noqa: F401
@@ -618,6 +737,36 @@ def main(argv=None):
     jpath = args.out / f"bench_index-{args.data}-{stamp}.json"
     jpath.write_text(json.dumps(dict(meta=meta, rows=rows, targets=tgt), indent=2, default=str) + "\n")
     (args.out / f"bench_index-{args.data}-{stamp}.md").write_text(md)
+    log(f"wrote {jpath}")
+
+
+def growth_main(args, argv) -> None:
+    """``--growth``: bulk build vs grown indexes on each data set; prints and saves the tables."""
+    names = ["smollm2", "synthetic", *GENERATED] if args.data == "all" else [args.data]
+    load = {n: (lambda n=n: generated_dataset(n, args.seed)) for n in GENERATED}
+    files = [n for n in names if n not in GENERATED]
+    loaded = {n: load_dataset(n, args.queries, args.head) for n in files}  # fail early if a file is missing
+    results = [bench_growth(loaded[n] if n in loaded else load[n](), args) for n in names]
+    m, v = machine_info(), versions()
+    command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
+    md = "\n".join(
+        [
+            "## DCIIndex grown by add vs a bulk build (single thread)",
+            "",
+            f"- machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['platform']}",
+            f"- versions: python {v['python']}, numpy {v['numpy']}, icecache {v['icecache']}",
+            f"- command: `{command}`",
+            f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
+            "",
+            growth_markdown(results),
+        ]
+    )
+    print(md)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    jpath = args.out / f"bench_index-growth-{args.data}-{stamp}.json"
+    jpath.write_text(json.dumps(dict(command=command, machine=m, versions=v, results=results), indent=2) + "\n")
+    (args.out / f"bench_index-growth-{args.data}-{stamp}.md").write_text(md + "\n")
     log(f"wrote {jpath}")
 
 

@@ -1,8 +1,6 @@
 //! Key arrays as they arrive from callers: f32, f16, or bf16 (the latter two widened to f32,
 //! since all index arithmetic is f32).
 
-use std::borrow::Cow;
-
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -29,12 +27,14 @@ impl<'a> KeyData<'a> {
         self.len() == 0
     }
 
-    /// The keys as f32: borrowed when they already are, widened otherwise.
-    pub fn to_f32(&self) -> Cow<'a, [f32]> {
+    /// A copy of the keys as f32 that the core owns. Always a copy: the caller's buffer may
+    /// change while a call runs (another thread writing a NumPy array), and what a call
+    /// validates must be what it uses.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
         match *self {
-            KeyData::F32(s) => Cow::Borrowed(s),
-            KeyData::F16(s) => Cow::Owned(s.iter().map(|x| x.to_f32()).collect()),
-            KeyData::Bf16(s) => Cow::Owned(s.iter().map(|x| x.to_f32()).collect()),
+            KeyData::F32(s) => s.to_vec(),
+            KeyData::F16(s) => s.iter().map(|x| x.to_f32()).collect(),
+            KeyData::Bf16(s) => s.iter().map(|x| x.to_f32()).collect(),
         }
     }
 }

@@ -2,21 +2,35 @@
 //! resident in which device slot, and the gather of the missing ones into one staging buffer for
 //! a single bulk copy.
 
+use std::collections::HashMap;
+
 use rayon::prelude::*;
 
-use crate::error::{ensure, Result};
+use crate::error::{ensure, try_filled, Result};
 
 const EMPTY: u32 = u32::MAX;
 
 /// Device page slots of each KV head: page → slot, with least-recently-used eviction and a
-/// stale mark for pages whose contents changed since they were loaded.
+/// stale mark for pages whose contents changed since they were loaded. Memory grows with the
+/// slots used so far, not with `capacity` or with page ids.
 pub struct ResidentPages {
     capacity: usize,
-    /// Per head: slot → (page or EMPTY, last step used, stale).
-    slots: Vec<Vec<(u32, u64, bool)>>,
-    /// Per head: page → slot (dense; grows with the page count).
-    slot_of: Vec<Vec<u32>>,
+    /// Per head: the slots used so far (slot → what it holds, `EMPTY` once cleared); slots
+    /// `len..capacity` have never been used.
+    slots: Vec<Vec<Slot>>,
+    /// Per head: page → slot, for the pages resident.
+    slot_of: Vec<HashMap<u32, u32>>,
     step: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Slot {
+    /// The page held, or `EMPTY`.
+    page: u32,
+    /// The step that last used it.
+    used: u64,
+    /// The page changed since it was loaded.
+    stale: bool,
 }
 
 /// What one step must load, and where every selected page lives on the device.
@@ -36,13 +50,16 @@ pub struct LoadPlan {
 }
 
 impl ResidentPages {
+    /// `capacity` device slots for each of `num_heads` heads; both at most `i32::MAX` (plans
+    /// name them as int32).
     pub fn new(num_heads: usize, capacity: usize) -> Result<ResidentPages> {
-        ensure!(num_heads >= 1, "num_heads must be at least 1");
-        ensure!(capacity >= 1, "capacity must be at least 1");
+        let max = i32::MAX as usize;
+        ensure!((1..=max).contains(&num_heads), "num_heads must be in 1..={max}, got {num_heads}");
+        ensure!((1..=max).contains(&capacity), "capacity must be in 1..={max}, got {capacity}");
         Ok(ResidentPages {
             capacity,
-            slots: vec![vec![(EMPTY, 0, false); capacity]; num_heads],
-            slot_of: vec![Vec::new(); num_heads],
+            slots: try_filled(num_heads, Vec::new(), "the slot tables")?,
+            slot_of: try_filled(num_heads, HashMap::new(), "the page maps")?,
             step: 0,
         })
     }
@@ -55,20 +72,30 @@ impl ResidentPages {
         self.capacity
     }
 
-    /// `[H_kv, capacity]`: the page in each device slot, -1 for an empty one.
-    pub fn slot_pages(&self) -> Vec<i32> {
-        self.slots.iter().flatten().map(|&(p, _, _)| if p == EMPTY { -1 } else { p as i32 }).collect()
+    /// `[H_kv, capacity]`: the page in each device slot, -1 for an empty one (allocated
+    /// fallibly: `capacity` may be far larger than the slots in use).
+    pub fn slot_pages(&self) -> Result<Vec<i32>> {
+        let n = self.slots.len().saturating_mul(self.capacity);
+        let mut out = try_filled(n, -1, "the slot table [H_kv, capacity]")?;
+        for (row, slots) in out.chunks_exact_mut(self.capacity.max(1)).zip(&self.slots) {
+            for (o, s) in row.iter_mut().zip(slots) {
+                if s.page != EMPTY {
+                    *o = s.page as i32;
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Marks `pages` of `head` stale: they are reloaded the next time they are selected.
     pub fn invalidate(&mut self, head: usize, pages: &[i64]) -> Result<()> {
         ensure!(head < self.slots.len(), "head {head} out of range ({} heads)", self.slots.len());
         for &p in pages {
-            ensure!(p >= 0 && p < u32::MAX as i64, "invalid page {p}");
-            if let Some(&s) = self.slot_of[head].get(p as usize) {
-                if s != EMPTY {
-                    self.slots[head][s as usize].2 = true;
-                }
+            ensure!(p >= 0 && p <= i32::MAX as i64, "invalid page {p}");
+        }
+        for &p in pages {
+            if let Some(&s) = self.slot_of[head].get(&(p as u32)) {
+                self.slots[head][s as usize].stale = true;
             }
         }
         Ok(())
@@ -91,58 +118,61 @@ impl ResidentPages {
         }
         self.step += 1;
         let step = self.step;
-        let mut plan = LoadPlan {
-            heads: Vec::new(),
-            pages: Vec::new(),
-            slots: Vec::new(),
-            table: vec![-1; h * width],
-            cleared: Vec::new(),
-        };
+        let mut plan = LoadPlan { table: vec![-1; h * width], ..LoadPlan::default() };
         for hi in 0..h {
             let sel = &pages[hi * width..hi * width + counts[hi] as usize];
             let (slots, slot_of) = (&mut self.slots[hi], &mut self.slot_of[hi]);
             let mut missing = Vec::new();
             for (i, &p) in sel.iter().enumerate() {
-                let p = p as usize;
-                if slot_of.len() <= p {
-                    slot_of.resize(p + 1, EMPTY);
-                }
-                match slot_of[p] {
-                    EMPTY => missing.push(i),
-                    s => {
-                        slots[s as usize].1 = step;
+                match slot_of.get(&(p as u32)) {
+                    None => missing.push(i),
+                    Some(&s) => {
+                        let slot = &mut slots[s as usize];
+                        slot.used = step;
                         plan.table[hi * width + i] = s as i32;
-                        if slots[s as usize].2 {
-                            slots[s as usize].2 = false;
+                        if slot.stale {
+                            slot.stale = false;
                             plan.heads.push(hi as i32);
-                            plan.pages.push(p as i32);
+                            plan.pages.push(p);
                             plan.slots.push(s as i32);
                         }
                     }
                 }
             }
-            // Free and stale slots first, then the least recently used of those not needed this
-            // step.
-            let mut victims: Vec<usize> = (0..self.capacity).filter(|&s| slots[s].1 != step).collect();
-            victims.sort_by_key(|&s| (slots[s].0 != EMPTY && !slots[s].2, slots[s].1));
-            for (i, s) in missing.into_iter().zip(victims) {
+            // Free and stale slots first (cleared ones, then never used ones, then stale ones
+            // from the least recently used), then the least recently used of those not needed
+            // this step.
+            let cleared: Vec<usize> = (0..slots.len()).filter(|&s| slots[s].page == EMPTY).collect();
+            let fresh = self.capacity - slots.len();
+            let mut used: Vec<usize> =
+                (0..slots.len()).filter(|&s| slots[s].page != EMPTY && slots[s].used != step).collect();
+            used.sort_by_key(|&s| (!slots[s].stale, slots[s].used));
+            for (n, i) in missing.into_iter().enumerate() {
                 let p = sel[i] as u32;
-                let old = slots[s].0;
-                if old != EMPTY {
-                    slot_of[old as usize] = EMPTY;
+                let new = Slot { page: p, used: step, stale: false };
+                let s = if n < cleared.len() {
+                    cleared[n]
+                } else if n < cleared.len() + fresh {
+                    slots.push(new);
+                    slots.len() - 1
+                } else {
+                    used[n - cleared.len() - fresh]
+                };
+                if slots[s].page != EMPTY {
+                    slot_of.remove(&slots[s].page);
                 }
-                slots[s] = (p, step, false);
-                slot_of[p as usize] = s as u32;
+                slots[s] = new;
+                slot_of.insert(p, s as u32);
                 plan.table[hi * width + i] = s as i32;
                 plan.heads.push(hi as i32);
                 plan.pages.push(p as i32);
                 plan.slots.push(s as i32);
             }
             // Stale pages that were not selected again leave the device.
-            for (s, entry) in slots.iter_mut().enumerate() {
-                if entry.2 && entry.0 != EMPTY {
-                    slot_of[entry.0 as usize] = EMPTY;
-                    *entry = (EMPTY, 0, false);
+            for (s, slot) in slots.iter_mut().enumerate() {
+                if slot.stale && slot.page != EMPTY {
+                    slot_of.remove(&slot.page);
+                    *slot = Slot { page: EMPTY, used: 0, stale: false };
                     plan.cleared.push((hi as i32, s as i32));
                 }
             }

@@ -168,7 +168,7 @@ pub struct LeaderLane {
     /// `None` while the sequence has offloaded nothing (a prompt within sink and window):
     /// nothing to select, and nothing may be flushed into it.
     pub forest: Option<Arc<RwLock<HeadForest>>>,
-    pub resident: Arc<Mutex<ResidentPages>>,
+    pub resident: Arc<RwLock<ResidentPages>>,
     /// `[H_kv, P, page_size, d]` page stores.
     pub k_store: HostBuf,
     pub v_store: HostBuf,
@@ -556,7 +556,7 @@ fn leader_lane(
 ) -> Result<(LanePlan, f64, f64)> {
     let h = g.heads;
     let width = select.max_pages;
-    let capacity = lane.resident.lock().map_err(|_| poisoned())?.capacity();
+    let capacity = lane.resident.read().map_err(|_| poisoned())?.capacity();
     let nothing = || LanePlan {
         plan: LoadPlan { table: vec![-1; h * width], ..LoadPlan::default() },
         table_len: vec![0; h * width],
@@ -578,7 +578,7 @@ fn leader_lane(
         let mut forest = lane_forest.write().map_err(|_| poisoned())?;
         check_store_dims(g, &forest)?;
         let pages = insert_flush(g, &mut forest, flush, lane.k_store, lane.v_store)?;
-        let mut resident = lane.resident.lock().map_err(|_| poisoned())?;
+        let mut resident = lane.resident.write().map_err(|_| poisoned())?;
         for (head, pages) in pages.into_iter().enumerate() {
             let ids: Vec<i64> = pages.iter().map(|&p| p as i64).collect();
             resident.invalidate(head, &ids)?;
@@ -607,7 +607,7 @@ fn leader_lane(
     } else {
         forest.select(q, select)?
     };
-    let plan = lane.resident.lock().map_err(|_| poisoned())?.plan(&pages, &counts)?;
+    let plan = lane.resident.write().map_err(|_| poisoned())?.plan(&pages, &counts)?;
     let len =
         |head: i32, page: i32| -> Result<i32> { Ok(forest.page_tokens(head as usize, page as usize)?.len() as i32) };
     let load_len = plan.heads.iter().zip(&plan.pages).map(|(&hd, &p)| len(hd, p)).collect::<Result<Vec<_>>>()?;

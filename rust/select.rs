@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use crate::error::{ensure, Result};
+use crate::error::{ensure, try_filled, Result};
 use crate::index::Scratch;
 use crate::input::check_rows;
 use crate::pages::HeadForest;
@@ -44,8 +44,11 @@ impl HeadForest {
         ensure!(p.scale.is_finite() && p.scale > 0.0, "scale must be a positive number, got {}", p.scale);
         ensure!(p.effort.is_finite() && p.effort > 0.0, "effort must be a positive number, got {}", p.effort);
         let group = hq / h;
-        // The search must look at no fewer keys than the pages could hold.
-        let pool = p.max_pages * self.page_size();
+        // The search must look at no fewer keys than the pages could hold (or than there are).
+        let pool = p.max_pages.saturating_mul(self.page_size()).min(self.len());
+        // Sized by the caller's max_pages, so allocated fallibly, before any work.
+        let n = h.saturating_mul(p.max_pages);
+        let mut pages = try_filled(n, -1i32, "the page table [H_kv, max_pages]")?;
         let weights: Vec<Vec<f32>> = queries
             .par_chunks_exact(d)
             .enumerate()
@@ -79,7 +82,6 @@ impl HeadForest {
                 },
             )
             .collect();
-        let mut pages = vec![-1i32; h * p.max_pages];
         let mut counts = vec![0i32; h];
         pages.par_chunks_mut(p.max_pages).zip(counts.par_iter_mut()).zip(weights.par_chunks(group)).for_each(
             |((out, count), ws)| {

@@ -1,7 +1,7 @@
 //! Tests of the look-ahead worker: flags, inserts, selection, planning, staging layout,
 //! followers, cancellation.
 
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use icecache::lookahead::{
@@ -34,7 +34,7 @@ fn geometry() -> Geometry {
 /// A leader over `n` tokens per head (`[H, n, D]` keys = values), with stores of `p` pages.
 struct Layer {
     forest: Arc<RwLock<HeadForest>>,
-    resident: Arc<Mutex<ResidentPages>>,
+    resident: Arc<RwLock<ResidentPages>>,
     keys: Vec<f32>,
     k_store: Vec<f32>,
     v_store: Vec<f32>,
@@ -51,7 +51,7 @@ fn layer(n: usize, p: usize, capacity: usize) -> Layer {
     f.write_pages(&keys, &keys, &mut k_store, &mut v_store).unwrap();
     Layer {
         forest: Arc::new(RwLock::new(f)),
-        resident: Arc::new(Mutex::new(ResidentPages::new(H, capacity).unwrap())),
+        resident: Arc::new(RwLock::new(ResidentPages::new(H, capacity).unwrap())),
         keys,
         k_store,
         v_store,

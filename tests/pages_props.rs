@@ -277,3 +277,24 @@ fn residency_and_gather() {
     assert!(gather_pages(&store, &vstore, h, s * d, &[2], &[0], &mut ks, &mut vs).is_err());
     assert!(gather_pages(&store, &vstore, h, s * d, &[0], &[p as i32], &mut ks, &mut vs).is_err());
 }
+
+/// Sizes from the caller: memory follows what is used, and what cannot be allocated is an
+/// error, never an abort.
+#[test]
+fn sizes_beyond_the_data_are_errors_or_cost_nothing() {
+    // Residency holds the slots in use, whatever the capacity or the page ids.
+    assert!(ResidentPages::new(1, i32::MAX as usize + 1).is_err(), "slots are int32");
+    assert!(ResidentPages::new(i32::MAX as usize + 1, 4).is_err(), "heads are int32");
+    let mut rp = ResidentPages::new(2, i32::MAX as usize).unwrap();
+    let plan = rp.plan(&[500_000_000, -1, 400_000_000, -1], &[1, 1]).unwrap();
+    assert_eq!((plan.pages, plan.slots, plan.table), (vec![500_000_000, 400_000_000], vec![0, 0], vec![0, -1, 0, -1]));
+    assert!(rp.plan(&[500_000_000, -1, 400_000_000, -1], &[1, 1]).unwrap().pages.is_empty());
+    // A selection table far wider than the pages: Error::Memory, before any work.
+    let (h, d) = (2, 8);
+    let f = forest(&keys(h, 100, d, 1), h, d, 8);
+    let q = keys(1, 4, d, 2);
+    for max_pages in [1 << 60, usize::MAX] {
+        let r = f.select(&q, SelectParams { max_pages, scale: 0.3, effort: 1.0, exact: false, successors: 0 });
+        assert!(matches!(r, Err(icecache::Error::Memory(_))), "max_pages {max_pages}");
+    }
+}

@@ -7,6 +7,7 @@ methods are skipped where the installed build has no ``icecache.HeadForest``.
 from __future__ import annotations
 
 import math
+import sys
 
 import icecache
 import numpy as np
@@ -224,3 +225,55 @@ def test_cli_parser():
         p.parse_args([])
     with pytest.raises(SystemExit):
         p.parse_args(["eval"])
+
+
+def _fake_capture(monkeypatch):
+    """``load_or_capture`` replaced by synthetic documents; returns the log of its calls."""
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append(args)
+        return synth_docs(7, n_docs=1, nq=2)
+
+    monkeypatch.setattr("icecache.eval.recall.evaluate.load_or_capture", fake)
+    return calls
+
+
+def test_missing_matplotlib_is_found_before_any_work(monkeypatch, tmp_path):
+    """The library call fails before capturing anything; the CLI says up front that it skips
+    the plot, then prints and saves the results."""
+    from icecache import cli
+
+    calls = _fake_capture(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    with pytest.raises(ImportError, match="matplotlib"):
+        R.evaluate_recall(n_docs=1, budgets=[64], methods=BASE, layers=[0, 1], out_dir=tmp_path, plot=True)
+    assert calls == []
+    argv = ["eval", "recall", "--out", str(tmp_path), "--quiet", "--budgets", "64", "--layers", "0", "1"]
+    assert cli.main(argv + ["--methods", *BASE]) == 0
+    assert len(calls) == 1
+
+
+def test_cli_prints_and_saves_results_before_the_plot(monkeypatch, tmp_path, capsys):
+    from icecache import cli
+
+    _fake_capture(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = ["eval", "recall", "--out", str(tmp_path), "--quiet", "--budgets", "64", "--layers", "0", "1"]
+    assert cli.main(argv + ["--methods", *BASE]) == 0
+    out, err = capsys.readouterr()
+    assert "matplotlib is not installed" in err and "recall_vs_budget.png is skipped" in err
+    assert "| 64 |" in out and "recall.json" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recall.json", "recall_table.md"]
+
+    # With plotting available (stubbed: CI has no matplotlib), the plot comes last.
+    def fake_plot(self, path):
+        path.write_bytes(b"png")
+        return path
+
+    monkeypatch.setattr("icecache.eval.recall.plotting_missing", lambda: None)
+    monkeypatch.setattr(R.RecallResult, "save_plot", fake_plot)
+    assert cli.main(argv + ["--methods", *BASE]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.index("| 64 |") < out.index("recall.json") < out.index("recall_vs_budget.png")
+    assert (tmp_path / "recall_vs_budget.png").read_bytes() == b"png"

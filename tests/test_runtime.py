@@ -214,6 +214,51 @@ def test_bad_config_fails_when_made(kwargs, match):
         IceCacheConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("seed", -1),
+        ("seed", 1.5),
+        ("seed", True),
+        ("threads", 0),
+        ("threads", 2.0),
+        ("num_simple", 0),
+        ("num_simple", 65),
+        ("num_composite", 100),
+        ("num_composite", 0),
+        ("promotion", 2.0),
+        ("promotion", 0.0),
+        ("promotion", "x"),
+        ("promotion", [0.1, float("nan")]),
+        ("promotion", [0.5] * 16),
+        ("effort", float("inf")),
+        ("effort", float("nan")),
+        ("effort", True),
+        ("effort", "1"),
+        ("device", "cuda:99"),
+        ("device", "nonsense"),
+        ("lookahead", 1),
+        ("cuda_graphs", "yes"),
+        ("refresh", True),
+        ("successors", -1),
+        ("superset_pages", 2.0),
+        ("budget", True),
+        ("pool_pages", True),
+    ],
+)
+def test_config_rejects_each_bad_field_when_made(field, value):
+    """Every field is checked at construction, not first inside ``generate``."""
+    with pytest.raises(ValueError, match=f"IceCacheConfig.{field}"):
+        IceCacheConfig(**{field: value})
+
+
+def test_config_accepts_what_the_index_accepts():
+    cfg = IceCacheConfig(seed=2**64 - 1, threads=1, num_simple=64, num_composite=16, promotion=[0.5] * 15)
+    icecache.HeadForest(np.ones((1, 20, 8), np.float32), **cfg.index_kwargs())
+    cfg = IceCacheConfig(promotion=0.25, effort=3, device="cpu", seed=None)
+    icecache.HeadForest(np.ones((1, 20, 8), np.float32), **cfg.index_kwargs())
+
+
 def test_config_defaults_and_derived_sizes():
     cfg = IceCacheConfig()
     assert (cfg.budget, cfg.page_size, cfg.sink, cfg.window, cfg.full_layers, cfg.reuse) == (256, 16, 16, 32, 2, 1)

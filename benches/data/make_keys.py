@@ -153,6 +153,14 @@ def make_synthetic(
     out: Path, n: int = 32768, d: int = 128, n_clusters: int = 256, n_queries: int = 1000, seed: int = 0
 ) -> dict:
     """Clustered Gaussian keys with varied cluster sizes, spreads and norms; write ``synthetic_clustered.npz``."""
+    data = synthetic_clustered(n, d, n_clusters, n_queries, seed)
+    path = out / "synthetic_clustered.npz"
+    save_npz(path, **data)
+    return dict(path=path, data=data)
+
+
+def synthetic_clustered(n: int, d: int, n_clusters: int, n_queries: int, seed: int) -> dict:
+    """The arrays of ``synthetic_clustered.npz`` (see the module docs), for any size."""
     rng = np.random.default_rng(seed)
     # Directions on the sphere, center norms spread 2..12, plus a shared offset of norm 4
     # (real attention keys share a large common component).
@@ -179,7 +187,7 @@ def make_synthetic(
     kind = np.concatenate([np.zeros(n_clu, np.int64), np.ones(n_queries - n_clu, np.int64)])
     perm = rng.permutation(n_queries)
 
-    data = dict(
+    return dict(
         keys=keys.astype(np.float32),
         queries=queries[perm].astype(np.float32),
         query_kind=kind[perm],
@@ -187,9 +195,6 @@ def make_synthetic(
         centers=centers.astype(np.float32),
         seed=np.int64(seed),
     )
-    path = out / "synthetic_clustered.npz"
-    save_npz(path, **data)
-    return dict(path=path, data=data)
 
 
 def _describe(name: str, data: dict, path: Path) -> None:

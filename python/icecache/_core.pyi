@@ -1,6 +1,18 @@
 """Type stubs for the Rust extension ``icecache._core``.
 
 The classes are PyO3 classes: constructed through ``__new__`` and not subclassable (``final``).
+
+Errors: bad arguments raise ``ValueError`` (``TypeError`` for a bool, float or other non-int
+where an int is expected; ``KeyError`` for an unknown id; ``IndexFileError`` for a bad save
+file) and change nothing. An allocation sized by the arguments that cannot be made raises
+``MemoryError``. A bug inside the core raises ``RuntimeError``; no panic crosses into Python.
+
+Threads: every object may be shared by threads. Reading calls run in parallel with each other,
+without the GIL; writing calls (named in each class) take the object exclusively: they wait for
+running calls and later calls wait for them (a lock in the core, not an error). A call copies
+the keys it validates, so another thread writing the caller's array cannot make it use what it
+did not validate. An array a call writes (a page store, a staging buffer) must not also be one
+of its inputs nor be written by another running call: that raises ``ValueError``.
 """
 
 from os import PathLike
@@ -37,9 +49,16 @@ class DCIIndex:
     distance (smallest first).
 
     Keys are float32, float16, or bfloat16 passed as a ``uint16`` view; arithmetic is float32.
-    C-contiguous arrays are read without a copy; other layouts are copied first.
+    The index keeps its own float32 copy of the keys.
     The first ``add`` into an empty index is a parallel bulk build; later adds insert
-    incrementally (no rebuild).
+    incrementally, and the inserts keep the tree as a bulk build would make it: they rebuild it
+    when it has doubled since it was last built (that one insert takes about a build's time)
+    and its small upper tiers when those have grown by 5%. An index grown one key or one batch
+    at a time answers like a bulk build of the same keys (recall and latency within a few
+    percent; ``benches/bench_index.py --growth``).
+
+    Threads: ``query``, ``save``, ``stats`` and ``len`` run in parallel; ``add`` and ``remove``
+    are writers (see the module docs).
 
     Args:
         dim: key dimension (1..=4096).
@@ -88,9 +107,15 @@ class DCIIndex:
         for ``"l2"``. ``effort`` scales the search (field of view); ``exact=True`` is a
         brute-force scan.
         """
-    def save(self, path: Union[str, PathLike[str]]) -> None: ...
+    def save(self, path: Union[str, PathLike[str]]) -> None:
+        """Writes the index to ``path``: a temporary file of its own beside it, flushed to disk
+        and renamed over it. A save that returns has left a whole file; of concurrent saves to
+        one path the last rename wins; a crash leaves the previous file (and the next save to
+        the path removes the crashed save's temporary file)."""
     @staticmethod
-    def load(path: Union[str, PathLike[str]], threads: Optional[int] = None) -> "DCIIndex": ...
+    def load(path: Union[str, PathLike[str]], threads: Optional[int] = None) -> "DCIIndex":
+        """Reads an index written by ``save``. The header, checksum and whole structure are
+        checked first: a bad file raises ``IndexFileError``, never a later call."""
     def stats(self) -> dict[str, Any]: ...
 
 @final
@@ -102,6 +127,9 @@ class HeadForest:
     ``keys`` is ``[H_kv, n, d]`` (float32, float16, or bfloat16 as a ``uint16`` view). Token ``i``
     of every head has position ``i``; inserted tokens continue at ``n, n + 1, ...``.
     Trees are built in parallel (one per head), without the GIL.
+
+    Threads: ``select``, ``write_pages`` and the getters run in parallel; ``insert`` is a writer
+    (see the module docs).
 
     Args:
         page_size: tokens per page (8..=64).
@@ -173,8 +201,10 @@ class HeadForest:
 class ResidentPages:
     """Which pages of each KV head are on the device, and in which device page slot.
 
-    ``capacity`` device slots per head. ``plan`` maps a step's selection to device slots, reusing
-    resident unchanged pages and evicting the least recently used ones."""
+    ``capacity`` device slots per head (at most 2**31 - 1; memory follows the slots in use).
+    ``plan`` maps a step's selection to device slots, reusing resident unchanged pages and
+    evicting the least recently used ones. ``plan`` and ``invalidate`` are writers (see the
+    module docs)."""
 
     def __new__(cls, num_heads: int, capacity: int) -> Self: ...
     def invalidate(self, head: int, pages: npt.ArrayLike) -> None:

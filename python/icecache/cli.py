@@ -48,6 +48,13 @@ def _cmd_eval_recall(args: argparse.Namespace) -> int:
 
     layers = _layer_list(args.layers) if args.layers else None
     methods = args.methods or None
+    # The plot is the one optional part: checked before the work, drawn after the results are
+    # printed and saved.
+    plot = not args.no_plot
+    missing = recall.plotting_missing() if plot else None
+    if missing is not None:
+        print(f"note: {missing}, so recall_vs_budget.png is skipped (--no-plot hides this note)", file=sys.stderr)
+        plot = False
     res = recall.evaluate_recall(
         n_docs=args.docs,
         n_tokens=args.tokens,
@@ -63,7 +70,7 @@ def _cmd_eval_recall(args: argparse.Namespace) -> int:
         effort=args.effort,
         cache_dir=args.cache_dir,
         out_dir=args.out,
-        plot=not args.no_plot,
+        plot=False,
         progress=not args.quiet,
     )
     print(res.to_markdown())
@@ -74,10 +81,9 @@ def _cmd_eval_recall(args: argparse.Namespace) -> int:
         f"{t.get('forest_build_s', 0):.1f} s and select {t.get('select_s', 0):.1f} s)"
     )
     out = Path(args.out)
-    saved = [out / "recall_table.md", out / "recall.json"]
-    if not args.no_plot:
-        saved.append(out / "recall_vs_budget.png")
-    print("saved: " + ", ".join(str(p) for p in saved))
+    print(f"saved: {out / 'recall_table.md'}, {out / 'recall.json'}", flush=True)
+    if plot:
+        print(f"saved: {res.save_plot(out / 'recall_vs_budget.png')}")
     return 0
 
 

@@ -8,13 +8,16 @@
 //! outlives the job. The caller must leave a layer's buffers alone while its job runs: the
 //! runtime waits for a layer's job before it uses that layer's host state again.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use super::{numpy_of, to_py, PyHeadForest, PyResidentPages};
+use super::arrays::{matrix3, numpy_of};
+use super::guard::{entry, sizes, to_py};
+use super::head_forest::PyHeadForest;
+use super::resident_pages::PyResidentPages;
 use crate::lookahead::{
     Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, StagingLayout,
     Work,
@@ -76,13 +79,16 @@ pub struct PyLookAhead {
 impl PyLookAhead {
     #[new]
     #[pyo3(signature = (threads = None))]
-    fn new(threads: Option<usize>) -> PyResult<Self> {
-        Ok(PyLookAhead { inner: Arc::new(LookAhead::new(threads).map_err(to_py)?) })
+    fn new(#[pyo3(from_py_with = sizes::threads)] threads: Option<usize>) -> PyResult<Self> {
+        entry(|| Ok(PyLookAhead { inner: Arc::new(LookAhead::new(threads).map_err(to_py)?) }))
     }
 
     /// Makes every queued job that has not started yet finish as cancelled.
-    fn cancel(&self) {
-        self.inner.cancel();
+    fn cancel(&self) -> PyResult<()> {
+        entry(|| {
+            self.inner.cancel();
+            Ok(())
+        })
     }
 }
 
@@ -141,8 +147,8 @@ pub struct PyStagingLayout {
 /// One sequence's buffers.
 #[derive(Clone)]
 struct Lane {
-    forest: Option<Arc<std::sync::RwLock<crate::pages::HeadForest>>>,
-    resident: Option<Arc<Mutex<crate::ResidentPages>>>,
+    forest: Option<Arc<RwLock<crate::pages::HeadForest>>>,
+    resident: Option<Arc<RwLock<crate::ResidentPages>>>,
     k_store: HostBuf,
     v_store: HostBuf,
     k_history: HostBuf,
@@ -214,70 +220,71 @@ impl PyLookAheadLayer {
         flush_k: &Bound<'_, PyAny>,
         flush_v: &Bound<'_, PyAny>,
         staging: &Bound<'_, PyAny>,
-        kv_heads: usize,
-        page_size: usize,
-        max_pages: usize,
+        #[pyo3(from_py_with = sizes::kv_heads)] kv_heads: usize,
+        #[pyo3(from_py_with = sizes::page_size)] page_size: usize,
+        #[pyo3(from_py_with = sizes::max_pages)] max_pages: usize,
         scale: f32,
         effort: f32,
-        successors: usize,
-        refresh: usize,
+        #[pyo3(from_py_with = sizes::successors)] successors: usize,
+        #[pyo3(from_py_with = sizes::refresh)] refresh: usize,
         leader: Option<Py<PyLookAheadLayer>>,
     ) -> PyResult<Self> {
-        if refresh == 0 {
-            return Err(PyValueError::new_err("refresh must be at least 1"));
-        }
-        let Lent { buf: qb, shape: qs, elem: qe, keep: qk } = lend(queries, "queries")?;
-        if qe != Some(Elem::F32) || qs.len() != 3 || qs[0] == 0 || kv_heads == 0 || qs[1] % kv_heads != 0 {
-            return Err(shape_err("queries", "float32 [B, H_q, d] with H_q a multiple of kv_heads", &qs));
-        }
-        let (batch, query_heads, dim) = (qs[0], qs[1], qs[2]);
-        let Lent { buf: fb, shape: fs, keep: fk, .. } = lend(flag, "flag")?;
-        if fs != [1] || fb.len() != 8 {
-            return Err(shape_err("flag", "int64 [1]", &fs));
-        }
-        let Lent { buf: kb, shape: ks, elem: ke, keep: kk } = lend(flush_k, "flush_k")?;
-        let Lent { buf: vb, shape: vs, elem: ve, keep: vk } = lend(flush_v, "flush_v")?;
-        let elem = ke.ok_or_else(|| PyValueError::new_err("flush_k must be float32, float16 or bf16 (uint16)"))?;
-        let want = [batch, kv_heads, page_size, dim];
-        if ks != want || vs != want || ve != ke {
-            return Err(shape_err("flush_k and flush_v", &format!("{want:?} of one dtype"), &ks));
-        }
-        let Lent { buf: sb, keep: sk, .. } = lend(staging, "staging")?;
-        if !crate::pages::PAGE_SIZES.contains(&page_size) || max_pages == 0 {
-            return Err(PyValueError::new_err("page_size must be in 8..=64 and max_pages at least 1"));
-        }
-        if !(scale.is_finite() && scale > 0.0 && effort.is_finite() && effort > 0.0) {
-            return Err(PyValueError::new_err("scale and effort must be positive numbers"));
-        }
-        let geometry = Geometry { heads: kv_heads, query_heads, dim, page_size, elem };
-        if let Some(l) = &leader {
-            let l = l.get();
-            if l.batch != batch
-                || (l.geometry.heads, l.geometry.page_size) != (kv_heads, page_size)
-                || l.leader.is_some()
-            {
-                return Err(PyValueError::new_err("leader must be a leading layer of the same batch, heads and pages"));
+        entry(|| {
+            let Lent { buf: qb, shape: qs, elem: qe, keep: qk } = lend(queries, "queries")?;
+            if qe != Some(Elem::F32) || qs.len() != 3 || qs[0] == 0 || kv_heads == 0 || qs[1] % kv_heads != 0 {
+                return Err(shape_err("queries", "float32 [B, H_q, d] with H_q a multiple of kv_heads", &qs));
             }
-        }
-        Ok(PyLookAheadLayer {
-            worker: worker.inner.clone(),
-            leader,
-            geometry,
-            batch,
-            select: SelectParams { max_pages, scale, effort, exact: false, successors },
-            refresh: refresh as u64,
-            queries: qb,
-            flag: fb,
-            flush_k: kb,
-            flush_v: vb,
-            staging: sb,
-            keep: Arc::new(vec![qk, fk, kk, vk, sk]),
-            state: Mutex::new(State {
-                lanes: vec![None; batch],
-                current: None,
-                started: 0,
-                recent: Default::default(),
-            }),
+            let (batch, query_heads, dim) = (qs[0], qs[1], qs[2]);
+            let Lent { buf: fb, shape: fs, keep: fk, .. } = lend(flag, "flag")?;
+            if fs != [1] || fb.len() != 8 {
+                return Err(shape_err("flag", "int64 [1]", &fs));
+            }
+            let Lent { buf: kb, shape: ks, elem: ke, keep: kk } = lend(flush_k, "flush_k")?;
+            let Lent { buf: vb, shape: vs, elem: ve, keep: vk } = lend(flush_v, "flush_v")?;
+            let elem = ke.ok_or_else(|| PyValueError::new_err("flush_k must be float32, float16 or bf16 (uint16)"))?;
+            let want = [batch, kv_heads, page_size, dim];
+            if ks != want || vs != want || ve != ke {
+                return Err(shape_err("flush_k and flush_v", &format!("{want:?} of one dtype"), &ks));
+            }
+            let Lent { buf: sb, keep: sk, .. } = lend(staging, "staging")?;
+            if !crate::pages::PAGE_SIZES.contains(&page_size) || max_pages == 0 {
+                return Err(PyValueError::new_err("page_size must be in 8..=64 and max_pages at least 1"));
+            }
+            if !(scale.is_finite() && scale > 0.0 && effort.is_finite() && effort > 0.0) {
+                return Err(PyValueError::new_err("scale and effort must be positive numbers"));
+            }
+            let geometry = Geometry { heads: kv_heads, query_heads, dim, page_size, elem };
+            if let Some(l) = &leader {
+                let l = l.get();
+                if l.batch != batch
+                    || (l.geometry.heads, l.geometry.page_size) != (kv_heads, page_size)
+                    || l.leader.is_some()
+                {
+                    return Err(PyValueError::new_err(
+                        "leader must be a leading layer of the same batch, heads and pages",
+                    ));
+                }
+            }
+            Ok(PyLookAheadLayer {
+                worker: worker.inner.clone(),
+                leader,
+                geometry,
+                batch,
+                select: SelectParams { max_pages, scale, effort, exact: false, successors },
+                refresh: refresh as u64,
+                queries: qb,
+                flag: fb,
+                flush_k: kb,
+                flush_v: vb,
+                staging: sb,
+                keep: Arc::new(vec![qk, fk, kk, vk, sk]),
+                state: Mutex::new(State {
+                    lanes: vec![None; batch],
+                    current: None,
+                    started: 0,
+                    recent: Default::default(),
+                }),
+            })
         })
     }
 
@@ -287,7 +294,7 @@ impl PyLookAheadLayer {
     #[allow(clippy::too_many_arguments)]
     fn set_lane(
         &self,
-        b: usize,
+        #[pyo3(from_py_with = sizes::b)] b: usize,
         k_store: &Bound<'_, PyAny>,
         v_store: &Bound<'_, PyAny>,
         forest: Option<PyRef<'_, PyHeadForest>>,
@@ -295,75 +302,79 @@ impl PyLookAheadLayer {
         k_history: Option<&Bound<'_, PyAny>>,
         v_history: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let g = self.geometry;
-        if b >= self.batch {
-            return Err(PyValueError::new_err(format!("b = {b} outside the batch of {}", self.batch)));
-        }
-        let Lent { buf: kb, shape: ks, elem: ke, keep: kk } = lend(k_store, "k_store")?;
-        let Lent { buf: vb, shape: vs, elem: ve, keep: vk } = lend(v_store, "v_store")?;
-        if ks.len() != 4 || ks[0] != g.heads || ks[2] != g.page_size || ks[3] != g.dim || vs != ks {
-            return Err(shape_err(
-                "k_store and v_store",
-                &format!("[{}, P, {}, {}]", g.heads, g.page_size, g.dim),
-                &ks,
-            ));
-        }
-        if ke != Some(g.elem) || ve != Some(g.elem) {
-            return Err(PyValueError::new_err("the stores must have the flushed tokens' dtype"));
-        }
-        let mut lane = Lane {
-            forest: None,
-            resident: None,
-            k_store: kb,
-            v_store: vb,
-            k_history: HostBuf::EMPTY,
-            v_history: HostBuf::EMPTY,
-            keep: Arc::new(Vec::new()),
-        };
-        let mut keep = vec![kk, vk];
-        if self.leader.is_none() {
-            let Some(r) = resident else {
-                return Err(PyValueError::new_err("a leading layer's lane needs its resident pages"));
-            };
-            let ok = forest.as_ref().is_none_or(|f| {
-                let f = f.inner.read().unwrap_or_else(|e| e.into_inner());
-                (f.num_heads(), f.dim(), f.page_size()) == (g.heads, g.dim, g.page_size)
-            });
-            let r_heads = r.inner.lock().unwrap_or_else(|e| e.into_inner()).num_heads();
-            if !ok || r_heads != g.heads {
-                return Err(PyValueError::new_err(
-                    "the forest or resident pages do not match the layer's heads and pages",
-                ));
+        entry(|| {
+            let g = self.geometry;
+            if b >= self.batch {
+                return Err(PyValueError::new_err(format!("b = {b} outside the batch of {}", self.batch)));
             }
-            lane.forest = forest.map(|f| f.inner.clone());
-            lane.resident = Some(r.inner.clone());
-        } else {
-            let (Some(hk), Some(hv)) = (k_history, v_history) else {
-                return Err(PyValueError::new_err("a following layer's lane needs its histories"));
-            };
-            let Lent { buf: hkb, shape: hks, elem: hke, keep: hkk } = lend(hk, "k_history")?;
-            let Lent { buf: hvb, shape: hvs, elem: hve, keep: hvk } = lend(hv, "v_history")?;
-            if hks.len() != 3 || hks[0] != g.heads || hks[2] != g.dim || hvs != hks || hke != Some(g.elem) || hve != hke
-            {
+            let Lent { buf: kb, shape: ks, elem: ke, keep: kk } = lend(k_store, "k_store")?;
+            let Lent { buf: vb, shape: vs, elem: ve, keep: vk } = lend(v_store, "v_store")?;
+            if ks.len() != 4 || ks[0] != g.heads || ks[2] != g.page_size || ks[3] != g.dim || vs != ks {
                 return Err(shape_err(
-                    "k_history and v_history",
-                    &format!("[{}, n, {}] in the stores' dtype", g.heads, g.dim),
-                    &hks,
+                    "k_store and v_store",
+                    &format!("[{}, P, {}, {}]", g.heads, g.page_size, g.dim),
+                    &ks,
                 ));
             }
-            lane.k_history = hkb;
-            lane.v_history = hvb;
-            keep.extend([hkk, hvk]);
-        }
-        lane.keep = Arc::new(keep);
-        let mut st = self.state();
-        if st.current.as_ref().is_some_and(|j| !j.is_done()) {
-            return Err(PyRuntimeError::new_err(
-                "a job of this layer is running: wait for it before changing its buffers",
-            ));
-        }
-        st.lanes[b] = Some(lane);
-        Ok(())
+            if ke != Some(g.elem) || ve != Some(g.elem) {
+                return Err(PyValueError::new_err("the stores must have the flushed tokens' dtype"));
+            }
+            let mut lane = Lane {
+                forest: None,
+                resident: None,
+                k_store: kb,
+                v_store: vb,
+                k_history: HostBuf::EMPTY,
+                v_history: HostBuf::EMPTY,
+                keep: Arc::new(Vec::new()),
+            };
+            let mut keep = vec![kk, vk];
+            if self.leader.is_none() {
+                let Some(r) = resident else {
+                    return Err(PyValueError::new_err("a leading layer's lane needs its resident pages"));
+                };
+                let ok =
+                    forest.as_ref().is_none_or(|f| (f.num_heads, f.dim, f.page_size) == (g.heads, g.dim, g.page_size));
+                if !ok || r.num_heads != g.heads {
+                    return Err(PyValueError::new_err(
+                        "the forest or resident pages do not match the layer's heads and pages",
+                    ));
+                }
+                lane.forest = forest.map(|f| f.inner.arc());
+                lane.resident = Some(r.inner.arc());
+            } else {
+                let (Some(hk), Some(hv)) = (k_history, v_history) else {
+                    return Err(PyValueError::new_err("a following layer's lane needs its histories"));
+                };
+                let Lent { buf: hkb, shape: hks, elem: hke, keep: hkk } = lend(hk, "k_history")?;
+                let Lent { buf: hvb, shape: hvs, elem: hve, keep: hvk } = lend(hv, "v_history")?;
+                if hks.len() != 3
+                    || hks[0] != g.heads
+                    || hks[2] != g.dim
+                    || hvs != hks
+                    || hke != Some(g.elem)
+                    || hve != hke
+                {
+                    return Err(shape_err(
+                        "k_history and v_history",
+                        &format!("[{}, n, {}] in the stores' dtype", g.heads, g.dim),
+                        &hks,
+                    ));
+                }
+                lane.k_history = hkb;
+                lane.v_history = hvb;
+                keep.extend([hkk, hvk]);
+            }
+            lane.keep = Arc::new(keep);
+            let mut st = self.state();
+            if st.current.as_ref().is_some_and(|j| !j.is_done()) {
+                return Err(PyRuntimeError::new_err(
+                    "a job of this layer is running: wait for it before changing its buffers",
+                ));
+            }
+            st.lanes[b] = Some(lane);
+            Ok(())
+        })
     }
 
     /// Starts this layer's job for one step. See ``icecache/_core.pyi``.
@@ -375,127 +386,142 @@ impl PyLookAheadLayer {
         step: Option<i64>,
         history_lens: Option<Vec<usize>>,
     ) -> PyResult<()> {
-        let g = self.geometry;
-        if flushed.len() != self.batch || flushed.iter().any(|&m| m > g.page_size) {
-            return Err(PyValueError::new_err(format!(
-                "flushed must give 0..={} tokens for each of {} sequences",
-                g.page_size, self.batch
-            )));
-        }
-        let mut st = self.state();
-        let number = st.started;
-        let leader_job = match &self.leader {
-            None => None,
-            Some(l) => {
-                let ls = l.get().state();
-                let job = ls.recent.iter().find(|(n, _)| *n == number).map(|(_, j)| j.clone());
-                Some(job.ok_or_else(|| PyRuntimeError::new_err("the leading layer has not started this step's job"))?)
+        entry(|| {
+            let g = self.geometry;
+            if flushed.len() != self.batch || flushed.iter().any(|&m| m > g.page_size) {
+                return Err(PyValueError::new_err(format!(
+                    "flushed must give 0..={} tokens for each of {} sequences",
+                    g.page_size, self.batch
+                )));
             }
-        };
-        if st.current.as_ref().is_some_and(|j| !j.is_done()) {
-            return Err(PyRuntimeError::new_err("this layer's previous job has not finished: wait for it first"));
-        }
-        let lanes: Vec<Lane> = st
-            .lanes
-            .iter()
-            .enumerate()
-            .map(|(b, l)| {
-                l.clone().ok_or_else(|| PyValueError::new_err(format!("sequence {b} has no buffers (set_lane)")))
-            })
-            .collect::<PyResult<_>>()?;
-        let keep: Vec<Keep> = std::iter::once(self.keep.clone()).chain(lanes.iter().map(|l| l.keep.clone())).collect();
-        let work = match leader_job {
-            None => Work::Leader {
-                lanes: lanes
-                    .iter()
-                    .enumerate()
-                    .map(|(b, l)| LeaderLane {
-                        forest: l.forest.clone(),
-                        resident: l.resident.clone().expect("checked in set_lane"),
-                        k_store: l.k_store,
-                        v_store: l.v_store,
-                        flush: self.flush(b, flushed[b]),
-                    })
-                    .collect(),
-                queries: self.queries,
-                select: self.select,
-                // Run-now jobs always select: they serve the step they run in.
-                reselect: step.is_none() || number.is_multiple_of(self.refresh),
-            },
-            Some(leader) => {
-                let lens = history_lens.ok_or_else(|| PyValueError::new_err("a following layer needs history_lens"))?;
-                if lens.len() != self.batch {
-                    return Err(PyValueError::new_err("history_lens needs one entry per sequence"));
-                }
-                Work::Follower {
+            let mut st = self.state();
+            let number = st.started;
+            let leader_job =
+                match &self.leader {
+                    None => None,
+                    Some(l) => {
+                        let ls = l.get().state();
+                        let job = ls.recent.iter().find(|(n, _)| *n == number).map(|(_, j)| j.clone());
+                        Some(job.ok_or_else(|| {
+                            PyRuntimeError::new_err("the leading layer has not started this step's job")
+                        })?)
+                    }
+                };
+            if st.current.as_ref().is_some_and(|j| !j.is_done()) {
+                return Err(PyRuntimeError::new_err("this layer's previous job has not finished: wait for it first"));
+            }
+            let lanes: Vec<Lane> = st
+                .lanes
+                .iter()
+                .enumerate()
+                .map(|(b, l)| {
+                    l.clone().ok_or_else(|| PyValueError::new_err(format!("sequence {b} has no buffers (set_lane)")))
+                })
+                .collect::<PyResult<_>>()?;
+            let keep: Vec<Keep> =
+                std::iter::once(self.keep.clone()).chain(lanes.iter().map(|l| l.keep.clone())).collect();
+            let work = match leader_job {
+                None => Work::Leader {
                     lanes: lanes
                         .iter()
                         .enumerate()
-                        .map(|(b, l)| FollowerLane {
-                            k_store: l.k_store,
-                            v_store: l.v_store,
-                            k_history: l.k_history,
-                            v_history: l.v_history,
-                            history_len: lens[b],
-                            flush: self.flush(b, flushed[b]),
+                        .map(|(b, l)| -> PyResult<LeaderLane> {
+                            Ok(LeaderLane {
+                                forest: l.forest.clone(),
+                                resident: l.resident.clone().ok_or_else(|| {
+                                    PyRuntimeError::new_err("a leading layer's lane has no resident pages")
+                                })?,
+                                k_store: l.k_store,
+                                v_store: l.v_store,
+                                flush: self.flush(b, flushed[b]),
+                            })
                         })
-                        .collect(),
-                    leader,
+                        .collect::<PyResult<_>>()?,
+                    queries: self.queries,
+                    select: self.select,
+                    // Run-now jobs always select: they serve the step they run in.
+                    reselect: step.is_none() || number.is_multiple_of(self.refresh),
+                },
+                Some(leader) => {
+                    let lens =
+                        history_lens.ok_or_else(|| PyValueError::new_err("a following layer needs history_lens"))?;
+                    if lens.len() != self.batch {
+                        return Err(PyValueError::new_err("history_lens needs one entry per sequence"));
+                    }
+                    Work::Follower {
+                        lanes: lanes
+                            .iter()
+                            .enumerate()
+                            .map(|(b, l)| FollowerLane {
+                                k_store: l.k_store,
+                                v_store: l.v_store,
+                                k_history: l.k_history,
+                                v_history: l.v_history,
+                                history_len: lens[b],
+                                flush: self.flush(b, flushed[b]),
+                            })
+                            .collect(),
+                        leader,
+                    }
                 }
+            };
+            let job = Job {
+                geometry: g,
+                ready: step.map(|s| Ready { flag: self.flag, step: s }),
+                staging: self.staging,
+                work,
+                keep_alive: Box::new(keep),
+            };
+            let state = match step {
+                None => {
+                    let worker = self.worker.clone();
+                    JobState::finished_with(py.allow_threads(move || worker.run(job)))
+                }
+                Some(_) => self.worker.submit(job).map_err(to_py)?,
+            };
+            st.current = Some(state.clone());
+            st.recent.push_back((number, state));
+            if st.recent.len() > 2 {
+                st.recent.pop_front();
             }
-        };
-        let job = Job {
-            geometry: g,
-            ready: step.map(|s| Ready { flag: self.flag, step: s }),
-            staging: self.staging,
-            work,
-            keep_alive: Box::new(keep),
-        };
-        let state = match step {
-            None => {
-                let worker = self.worker.clone();
-                JobState::finished_with(py.allow_threads(move || worker.run(job)))
-            }
-            Some(_) => self.worker.submit(job).map_err(to_py)?,
-        };
-        st.current = Some(state.clone());
-        st.recent.push_back((number, state));
-        if st.recent.len() > 2 {
-            st.recent.pop_front();
-        }
-        st.started += 1;
-        Ok(())
+            st.started += 1;
+            Ok(())
+        })
     }
 
     /// Whether this layer's current job has finished (``True`` when there is none).
-    fn done(&self) -> bool {
-        self.state().current.as_ref().is_none_or(|j| j.is_done())
+    fn done(&self) -> PyResult<bool> {
+        entry(|| Ok(self.state().current.as_ref().is_none_or(|j| j.is_done())))
     }
 
     /// Waits (without the GIL) for this layer's current job; its outcome. See ``icecache/_core.pyi``.
     fn wait(&self, py: Python<'_>) -> PyResult<PyOutcome> {
-        let job = self.state().current.clone().ok_or_else(|| PyRuntimeError::new_err("no job was started"))?;
-        let out = py.allow_threads(move || job.wait()).map_err(to_py)?;
-        Ok(PyOutcome::from(&*out))
+        entry(|| {
+            let job = self.state().current.clone().ok_or_else(|| PyRuntimeError::new_err("no job was started"))?;
+            let out = py.allow_threads(move || job.wait()).map_err(to_py)?;
+            Ok(PyOutcome::from(&*out))
+        })
     }
 
     /// ``[B, kv_heads, max_pages]`` int32: the pages the current job selected (waits for it).
     fn selected<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, numpy::PyArray3<i32>>> {
-        use numpy::IntoPyArray;
-        let job = self.state().current.clone().ok_or_else(|| PyRuntimeError::new_err("no job was started"))?;
-        let out = py.allow_threads(move || job.wait()).map_err(to_py)?;
-        let shape = (self.batch, self.geometry.heads, out.width);
-        let pages = numpy::ndarray::Array3::from_shape_vec(shape, out.selected_pages()).expect("shape");
-        Ok(pages.into_pyarray(py))
+        entry(|| {
+            let job = self.state().current.clone().ok_or_else(|| PyRuntimeError::new_err("no job was started"))?;
+            let out = py.allow_threads(move || job.wait()).map_err(to_py)?;
+            matrix3(py, (self.batch, self.geometry.heads, out.width), out.selected_pages())
+        })
     }
 
     /// Forgets the current job (after it finished or was cancelled) and every lane.
-    fn clear(&self) {
-        let mut st = self.state();
-        st.current = None;
-        st.recent.clear();
-        st.started = 0;
-        st.lanes.iter_mut().for_each(|l| *l = None);
+    fn clear(&self) -> PyResult<()> {
+        entry(|| {
+            let mut st = self.state();
+            st.current = None;
+            st.recent.clear();
+            st.started = 0;
+            st.lanes.iter_mut().for_each(|l| *l = None);
+            Ok(())
+        })
     }
 
     /// The fixed layout of a layer's staging buffer. See ``icecache/_core.pyi``.
@@ -503,29 +529,31 @@ impl PyLookAheadLayer {
     #[pyo3(signature = (*, batch, kv_heads, dim, page_size, itemsize, max_pages, capacity))]
     #[allow(clippy::too_many_arguments)]
     fn staging_layout(
-        batch: usize,
-        kv_heads: usize,
-        dim: usize,
-        page_size: usize,
-        itemsize: usize,
-        max_pages: usize,
-        capacity: usize,
+        #[pyo3(from_py_with = sizes::batch)] batch: usize,
+        #[pyo3(from_py_with = sizes::kv_heads)] kv_heads: usize,
+        #[pyo3(from_py_with = sizes::dim)] dim: usize,
+        #[pyo3(from_py_with = sizes::page_size)] page_size: usize,
+        #[pyo3(from_py_with = sizes::itemsize)] itemsize: usize,
+        #[pyo3(from_py_with = sizes::max_pages)] max_pages: usize,
+        #[pyo3(from_py_with = sizes::capacity)] capacity: usize,
     ) -> PyResult<PyStagingLayout> {
-        let elem = match itemsize {
-            4 => Elem::F32,
-            2 => Elem::F16,
-            _ => return Err(PyValueError::new_err(format!("itemsize must be 2 or 4, got {itemsize}"))),
-        };
-        let g = Geometry { heads: kv_heads, query_heads: kv_heads, dim, page_size, elem };
-        let l = StagingLayout::new(&g, batch, max_pages, capacity);
-        Ok(PyStagingLayout {
-            max_loads: l.max_loads,
-            max_masks: l.max_masks,
-            trash: l.trash,
-            table_at: l.table_at,
-            mask_at: l.mask_at,
-            rows_at: l.rows_at,
-            bytes: l.bytes,
+        entry(|| {
+            let elem = match itemsize {
+                4 => Elem::F32,
+                2 => Elem::F16,
+                _ => return Err(PyValueError::new_err(format!("itemsize must be 2 or 4, got {itemsize}"))),
+            };
+            let g = Geometry { heads: kv_heads, query_heads: kv_heads, dim, page_size, elem };
+            let l = StagingLayout::new(&g, batch, max_pages, capacity);
+            Ok(PyStagingLayout {
+                max_loads: l.max_loads,
+                max_masks: l.max_masks,
+                trash: l.trash,
+                table_at: l.table_at,
+                mask_at: l.mask_at,
+                rows_at: l.rows_at,
+                bytes: l.bytes,
+            })
         })
     }
 }

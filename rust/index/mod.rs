@@ -19,10 +19,12 @@
 //!
 //! Modules: `cells` (tiers of cells, the storage), `descent` (the beam descent), `rank` (packed
 //! scores, best-k), `tree` (build, insert, delete), `search` (queries), `pdci` (P-DCI inside a
-//! large leaf cell), `persist` (save files, invariant checks). `tree` and `search` share
-//! `cells`, `descent` and `rank` and do not use each other.
+//! large leaf cell), `persist` (save files), `check` (structural checks of loaded files, and
+//! the invariants tests assert). `tree` and `search` share `cells`, `descent` and `rank` and do
+//! not use each other.
 
 mod cells;
+mod check;
 mod descent;
 mod pdci;
 mod persist;
@@ -198,6 +200,17 @@ pub struct DciIndex {
     root: u32,
     rng: Xoshiro256PlusPlus,
     next_id: i64,
+    /// Points, and points of level >= 1, when the tree and the tiers above the leaves were last
+    /// built: inserts rebuild them as they grow (`DciIndex::regrow`). Not saved: a load counts
+    /// from the loaded size.
+    #[serde(skip)]
+    built: usize,
+    #[serde(skip)]
+    upper_built: usize,
+    /// Counts the rebuilds of the leaves (their cells' members change; the owner of the index,
+    /// a `HeadForest`, reads it to re-derive what it keeps per leaf cell).
+    #[serde(skip)]
+    leaf_rebuilds: u64,
 }
 
 const FREE: u8 = u8::MAX;
@@ -241,6 +254,9 @@ impl DciIndex {
             root: NONE,
             rng,
             next_id: 0,
+            built: 0,
+            upper_built: 0,
+            leaf_rebuilds: 0,
         })
     }
 
@@ -272,7 +288,7 @@ impl DciIndex {
     /// Into an empty index this is a parallel bulk build (rayon); otherwise each key is inserted
     /// incrementally. All input is validated before anything changes.
     pub fn add(&mut self, keys: KeyData<'_>, ids: Option<&[i64]>) -> Result<Vec<i64>> {
-        let keys = keys.to_f32();
+        let keys = keys.to_f32_vec();
         let n = check_rows(&keys, self.cfg.dim, "keys")?;
         let ids = self.check_new_ids(n, ids)?;
         if n == 0 {
@@ -281,7 +297,7 @@ impl DciIndex {
         if self.len == 0 && self.cfg.metric == Metric::L2 {
             self.shift = mean_row(&keys, self.cfg.dim);
         }
-        let keys = self.shifted(keys);
+        let keys = self.shift_rows(keys);
         if self.len == 0 {
             self.build(&keys, &ids);
         } else {
@@ -322,21 +338,22 @@ impl DciIndex {
         effort: Option<f32>,
         exact: bool,
     ) -> Result<(Vec<i64>, Vec<f32>)> {
-        let queries = queries.to_f32();
+        let queries = queries.to_f32_vec();
         let nq = check_rows(&queries, self.cfg.dim, "queries")?;
-        let queries = self.shifted(queries);
+        let queries = self.shift_rows(queries);
         ensure!(self.len > 0, "the index is empty");
         ensure!(k >= 1, "k must be at least 1, got {k}");
         ensure!(k <= self.len, "k = {k} is larger than the number of points in the index ({})", self.len);
         let effort = effort.unwrap_or(self.cfg.effort);
         check_effort(effort)?;
-        Ok(self.query_batch(&queries, nq, k, effort, exact))
+        self.query_batch(&queries, nq, k, effort, exact)
     }
 
     /// Checks every structural invariant of the tree; `Err` names the first one broken.
     /// Meant for tests and debugging: it walks the whole index.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        self.check_consistency(true)
+        self.check_structure()?;
+        self.check_tree()
     }
 
     pub fn stats(&self) -> Stats {
@@ -393,15 +410,13 @@ impl DciIndex {
     }
 
     /// Applies `shift` (L2) to rows arriving from the caller.
-    fn shifted<'a>(&self, rows: std::borrow::Cow<'a, [f32]>) -> std::borrow::Cow<'a, [f32]> {
-        if self.shift.is_empty() {
-            return rows;
+    fn shift_rows(&self, mut rows: Vec<f32>) -> Vec<f32> {
+        if !self.shift.is_empty() {
+            for r in rows.chunks_exact_mut(self.cfg.dim) {
+                r.iter_mut().zip(&self.shift).for_each(|(x, s)| *x -= s);
+            }
         }
-        let mut owned = rows.into_owned();
-        for r in owned.chunks_exact_mut(self.cfg.dim) {
-            r.iter_mut().zip(&self.shift).for_each(|(x, s)| *x -= s);
-        }
-        std::borrow::Cow::Owned(owned)
+        rows
     }
 
     // ---- views for the page layer ----
@@ -460,6 +475,11 @@ impl DciIndex {
                 c.tags.extend(c.members.iter().map(|&m| tags[m as usize]));
             });
         }
+    }
+
+    /// How many times inserts have rebuilt the leaves (see `leaf_rebuilds` in the struct).
+    pub(crate) fn leaf_rebuilds(&self) -> u64 {
+        self.leaf_rebuilds
     }
 
     /// The leaf cell that holds the point with this id (which must exist).

@@ -1,69 +1,142 @@
 //! Save files: a versioned header and a CRC-32 of the payload, then the index in bincode.
 //!
 //! Layout: magic (8 bytes) | format version (u32 LE) | payload length (u64 LE) |
-//! CRC-32 of the payload (u32 LE) | payload. Writes go to a temporary file that is renamed into
-//! place, so a failed save never leaves a half-written file under the target name.
+//! CRC-32 of the payload (u32 LE) | payload.
+//!
+//! A save writes a temporary file of its own (a unique name beside the target, locked while it
+//! is written), flushes it to disk and renames it over the target. So concurrent saves to one
+//! path each replace the file whole (the last rename wins), a save that returns `Ok` left a
+//! readable file, and a crash leaves the target as it was. A writer killed mid-save leaves its
+//! temporary file behind; the next save to the same target removes it (its lock is free then).
+//!
+//! A load checks the header, the checksum, and then the whole structure (`check_structure`), so
+//! that a file that passed its checksum but was written by a buggy or hostile producer is
+//! rejected instead of failing in a later call.
 
 use std::fs;
-use std::io::Write;
-use std::path::Path;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::cells::NONE;
+use bincode::Options;
+
 use super::{DciIndex, FREE};
 use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"ICEDCI\r\n";
 const VERSION: u32 = 1;
 const HEADER: usize = 8 + 4 + 8 + 4;
+/// Suffix of the temporary files of a save (named `.{target}.{pid}-{n}.icecache-tmp`).
+const TMP_SUFFIX: &str = ".icecache-tmp";
 
 /// io errors name the file (the OS message alone does not).
-fn with_path(e: std::io::Error, path: &Path) -> std::io::Error {
-    std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+fn with_path(e: std::io::Error, path: &Path) -> Error {
+    std::io::Error::new(e.kind(), format!("{}: {e}", path.display())).into()
 }
 
 fn corrupt(why: &str) -> Error {
     Error::File(format!("not a valid IceCache index file: {why}"))
 }
 
+/// The bincode encoding of save files: fixed-width integers, little endian, nothing after the
+/// index.
+fn encoding() -> impl Options {
+    bincode::DefaultOptions::new().with_fixint_encoding()
+}
+
+/// A writer that counts bytes and keeps a CRC-32 of them.
+struct Checksummed<W> {
+    inner: W,
+    crc: crc32fast::Hasher,
+    len: u64,
+}
+
+impl<W: Write> Write for Checksummed<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.crc.update(&buf[..n]);
+        self.len += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 impl DciIndex {
+    /// Writes the index to `path` (see the module docs for the guarantees).
     pub fn save(&self, path: &Path) -> Result<()> {
-        let payload = bincode::serialize(self).map_err(|e| Error::File(e.to_string()))?;
-        let mut buf = Vec::with_capacity(HEADER + payload.len());
-        buf.extend_from_slice(MAGIC);
-        buf.extend_from_slice(&VERSION.to_le_bytes());
-        buf.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        buf.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
-        buf.extend_from_slice(&payload);
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".tmp");
-        let tmp = Path::new(&tmp);
-        let written = fs::File::create(tmp).and_then(|mut f| {
-            f.write_all(&buf)?;
-            f.sync_all()
+        let name = path.file_name().ok_or_else(|| {
+            Error::Io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{}: not a file name", path.display()),
+            ))
+        })?;
+        let dir = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let prefix = format!(".{}.", name.to_string_lossy());
+        remove_stale(&dir, &prefix);
+        let (tmp, file) = create_locked(&dir, &prefix).map_err(|e| with_path(e, path))?;
+        // The file stays open, so locked, until it has its final name.
+        let written = self.write_file(&file).and_then(|()| {
+            fs::rename(&tmp, path)?;
+            sync_dir(&dir)
         });
-        if let Err(e) = written.and_then(|_| fs::rename(tmp, path)) {
-            let _ = fs::remove_file(tmp);
-            return Err(with_path(e, path).into());
+        drop(file);
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(with_path(e, path));
         }
         Ok(())
     }
 
+    /// Header and payload into `file`, then to disk. The payload streams through a checksum;
+    /// its length and CRC go into the header at the end.
+    fn write_file(&self, file: &fs::File) -> std::io::Result<()> {
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        out.write_all(MAGIC)?;
+        out.write_all(&VERSION.to_le_bytes())?;
+        out.write_all(&[0; 12])?;
+        let mut body = Checksummed { inner: out, crc: crc32fast::Hasher::new(), len: 0 };
+        encoding().serialize_into(&mut body, self).map_err(|e| match *e {
+            bincode::ErrorKind::Io(e) => e,
+            other => std::io::Error::other(other.to_string()),
+        })?;
+        let (mut out, crc, len) = (body.inner, body.crc.finalize(), body.len);
+        out.seek(SeekFrom::Start(12))?;
+        out.write_all(&len.to_le_bytes())?;
+        out.write_all(&crc.to_le_bytes())?;
+        let file = out.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()
+    }
+
+    /// Reads an index written by `save`.
     pub fn load(path: &Path) -> Result<DciIndex> {
         let buf = fs::read(path).map_err(|e| with_path(e, path))?;
+        DciIndex::from_bytes(&buf)
+    }
+
+    /// Reads an index from the bytes of a save file; rejects any file whose structure is not
+    /// that of an index `save` could have written.
+    pub fn from_bytes(buf: &[u8]) -> Result<DciIndex> {
         if buf.len() < HEADER {
             return Err(corrupt("the file is shorter than its header"));
         }
         if &buf[..8] != MAGIC {
             return Err(corrupt("wrong magic bytes"));
         }
-        let version = u32::from_le_bytes(buf[8..12].try_into().unwrap());
+        let word = |at: usize| u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
+        let version = word(8);
         if version != VERSION {
             return Err(Error::File(format!(
                 "index file format version {version} is not supported (this build reads {VERSION})"
             )));
         }
-        let len = u64::from_le_bytes(buf[12..20].try_into().unwrap());
-        let crc = u32::from_le_bytes(buf[20..24].try_into().unwrap());
+        let len = word(12) as u64 | (word(16) as u64) << 32;
+        let crc = word(20);
         let payload = &buf[HEADER..];
         if payload.len() as u64 != len {
             return Err(corrupt(&format!("payload is {} bytes, header says {len} (truncated?)", payload.len())));
@@ -71,7 +144,8 @@ impl DciIndex {
         if crc32fast::hash(payload) != crc {
             return Err(corrupt("checksum mismatch (the file is corrupted)"));
         }
-        let mut index: DciIndex = bincode::deserialize(payload).map_err(|e| corrupt(&e.to_string()))?;
+        let mut index: DciIndex =
+            encoding().with_limit(len).deserialize(payload).map_err(|e| corrupt(&e.to_string()))?;
         // Tags are not saved (see `DciIndex::tags`): every point loads untagged.
         index.tags = vec![0; index.level.len()];
         if let Some(leaves) = index.tiers.first_mut() {
@@ -79,171 +153,78 @@ impl DciIndex {
                 c.tags = vec![0; c.members.len()];
             }
         }
-        index.check_consistency(false).map_err(|why| corrupt(&why))?;
+        index.check_structure().map_err(|why| corrupt(&why))?;
+        index.recompute_sums();
+        index.built = index.len;
+        index.upper_built = index.upper_points();
         index.id_map =
             index.level.iter().enumerate().filter(|(_, &l)| l != FREE).map(|(s, _)| (index.ids[s], s as u32)).collect();
         Ok(index)
     }
+}
 
-    /// Structural checks, so that a file that passed its checksum but was written by a buggy or
-    /// hostile producer cannot make later calls index out of bounds. `deep` also checks the tree's
-    /// invariants (every point in exactly one cell of each tier up to its level, owners in their
-    /// own cells, centroids, codes and sorted projections up to date); tests use it.
-    pub(crate) fn check_consistency(&self, deep: bool) -> std::result::Result<(), String> {
-        self.cfg.validate().map_err(|e| e.to_string())?;
-        let d = self.cfg.dim;
-        let nd = self.cfg.num_dirs();
-        let slots = self.level.len();
-        let ok = self.dirs.len() == nd * (d + 1)
-            && self.keys.len() == slots * d
-            && self.sq_norms.len() == slots
-            && self.proj.len() == slots * nd
-            && self.ids.len() == slots
-            && self.tags.len() == slots
-            && self.level.iter().filter(|&&l| l != FREE).count() == self.len
-            && self.free_slots.iter().all(|&s| (s as usize) < slots)
-            && (self.shift.is_empty() || self.shift.len() == d)
-            && (self.len == 0 || self.code_center.len() == d);
-        if !ok {
-            return Err("array lengths disagree".into());
+/// A new temporary file in `dir` named `{prefix}{pid}-{n}{TMP_SUFFIX}`, locked, and its path.
+fn create_locked(dir: &Path, prefix: &str) -> std::io::Result<(PathBuf, fs::File)> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!("{prefix}{}-{n}{TMP_SUFFIX}", std::process::id()));
+        let file = match fs::OpenOptions::new().write(true).create_new(true).open(&tmp) {
+            Ok(f) => f,
+            // Left by an earlier process of the same pid: take the next name.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        };
+        file.lock()?;
+        // Another save's `remove_stale` may have removed the file between its creation and the
+        // lock; then the name is not ours any more.
+        if same_file(&file, &tmp) {
+            return Ok((tmp, file));
         }
-        if self.len == 0 {
-            return if self.tiers.is_empty() { Ok(()) } else { Err("empty index with tiers".into()) };
-        }
-        let top = self.tiers.len().checked_sub(1).ok_or("no tiers")?;
-        for (t, tier) in self.tiers.iter().enumerate() {
-            let cells = tier.cells.len();
-            let per_slot = tier.member_cell.len() == slots
-                && tier.member_pos.len() == slots
-                && tier.owned_cell.len() == slots
-                && tier.routes.len() == cells * d
-                && tier.route_sq.len() == cells
-                && tier.route_extra.len() == cells;
-            if !per_slot {
-                return Err(format!("tier {t} tables disagree"));
-            }
-            for (ci, c) in tier.cells.iter().enumerate().filter(|(_, c)| c.live) {
-                let fine = c.sum.len() == d
-                    && c.members.iter().all(|&m| {
-                        (m as usize) < slots
-                            && tier.member_cell[m as usize] == ci as u32
-                            && (tier.member_pos[m as usize] as usize) < c.members.len()
-                    })
-                    && (t > 0
-                        || (c.codes.len() == c.members.len() * d
-                            && c.scales.len() == c.members.len()
-                            && c.tags.len() == c.members.len()
-                            && c.sorted.len() == nd
-                            && c.sorted.iter().all(|a| a.len() == c.members.len())));
-                if !fine {
-                    return Err(format!("cell {ci} of tier {t} is inconsistent"));
-                }
-            }
-            if tier.owned_cell.iter().any(|&c| c != NONE && c as usize >= cells) {
-                return Err(format!("tier {t} owns a missing cell"));
-            }
-        }
-        if self.root as usize >= self.tiers[top].cells.len() {
-            return Err("root out of range".into());
-        }
-        if deep {
-            self.check_tree()?;
-        }
-        Ok(())
     }
 }
 
-impl DciIndex {
-    /// The tree invariants (see `check_consistency`). Quadratic in nothing, but not cheap.
-    fn check_tree(&self) -> std::result::Result<(), String> {
-        let d = self.cfg.dim;
-        let top = self.tiers.len() - 1;
-        let root = &self.tiers[top].cells[self.root as usize];
-        if !root.live || root.owner != NONE {
-            return Err("the root cell must be live and have no owner".into());
-        }
-        if self.tiers[top].live_cells() != 1 {
-            return Err("the top tier must hold exactly one cell".into());
-        }
-        for (slot, &l) in self.level.iter().enumerate() {
-            for (t, tier) in self.tiers.iter().enumerate() {
-                let member = tier.member_cell[slot] != NONE;
-                let owns = tier.owned_cell[slot] != NONE;
-                if l == FREE {
-                    if member || owns {
-                        return Err(format!("free slot {slot} is still in tier {t}"));
-                    }
-                    continue;
-                }
-                if member != (t <= l as usize) {
-                    return Err(format!("slot {slot} of level {l}: membership in tier {t} is wrong"));
-                }
-                if owns != (t < l as usize) {
-                    return Err(format!("slot {slot} of level {l}: ownership in tier {t} is wrong"));
-                }
-                if owns {
-                    let c = &tier.cells[tier.owned_cell[slot] as usize];
-                    if !c.live || c.owner != slot as u32 || tier.member_cell[slot] != tier.owned_cell[slot] {
-                        return Err(format!("slot {slot} must be a member of the cell it owns in tier {t}"));
-                    }
-                }
-            }
-        }
-        for (t, tier) in self.tiers.iter().enumerate() {
-            let mut total = 0;
-            for (ci, c) in tier.cells.iter().enumerate().filter(|(_, c)| c.live) {
-                total += c.members.len();
-                if c.members.is_empty() {
-                    return Err(format!("cell {ci} of tier {t} is live but empty"));
-                }
-                if c.owner != NONE && tier.owned_cell[c.owner as usize] != ci as u32 {
-                    return Err(format!("cell {ci} of tier {t} has an owner that does not own it"));
-                }
-                for (p, &m) in c.members.iter().enumerate() {
-                    if tier.member_pos[m as usize] as usize != p {
-                        return Err(format!("member_pos of slot {m} in tier {t} is stale"));
-                    }
-                }
-                let n = c.members.len() as f32;
-                let r = tier.route(ci as u32, d);
-                for (j, &rj) in r.iter().enumerate() {
-                    let mean = c.members.iter().map(|&m| self.key(m)[j]).sum::<f32>() / n;
-                    if (mean - rj).abs() > 1e-3 * (1.0 + mean.abs()) {
-                        return Err(format!("route of cell {ci} in tier {t} is stale"));
-                    }
-                }
-                if t == 0 {
-                    for (p, &m) in c.members.iter().enumerate() {
-                        let mut code = vec![0i8; d];
-                        let s = self.code_of(m, &mut code);
-                        if code[..] != c.codes[p * d..(p + 1) * d] || s != c.scales[p] {
-                            return Err(format!("code of slot {m} is stale"));
-                        }
-                        if c.tags[p] != self.tags[m as usize] {
-                            return Err(format!("tag of slot {m} is stale in its leaf cell"));
-                        }
-                    }
-                    for (j, arr) in c.sorted.iter().enumerate() {
-                        if arr.windows(2).any(|w| w[0].0 > w[1].0) {
-                            return Err(format!("sorted projections {j} of cell {ci} are out of order"));
-                        }
-                        let mut slots: Vec<u32> = arr.iter().map(|e| e.1).collect();
-                        let mut members = c.members.clone();
-                        slots.sort_unstable();
-                        members.sort_unstable();
-                        if slots != members {
-                            return Err(format!("sorted projections {j} of cell {ci} miss members"));
-                        }
-                        if arr.iter().any(|&(p, s)| p != self.key_proj(s, j)) {
-                            return Err(format!("sorted projections {j} of cell {ci} are stale"));
-                        }
-                    }
-                }
-            }
-            if total != tier.num_members {
-                return Err(format!("tier {t} counts {} members, cells hold {total}", tier.num_members));
-            }
-        }
-        Ok(())
+#[cfg(unix)]
+fn same_file(file: &fs::File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), fs::metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
     }
+}
+
+#[cfg(not(unix))]
+fn same_file(_file: &fs::File, path: &Path) -> bool {
+    // Elsewhere an open file cannot be removed.
+    path.exists()
+}
+
+/// Removes temporary files of earlier saves to the same target whose writer is gone (their
+/// lock is free). Best effort: a file another process is writing stays.
+fn remove_stale(dir: &Path, prefix: &str) {
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with(prefix) && name.ends_with(TMP_SUFFIX)) {
+            continue;
+        }
+        let path = entry.path();
+        if let Ok(f) = fs::OpenOptions::new().read(true).open(&path) {
+            if f.try_lock().is_ok() {
+                let _ = fs::remove_file(&path);
+            }
+        }
+    }
+}
+
+/// Makes a rename in `dir` durable.
+#[cfg(unix)]
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(not(unix))]
+fn sync_dir(_dir: &Path) -> std::io::Result<()> {
+    Ok(())
 }

@@ -7,6 +7,7 @@ use super::descent::Descent;
 use super::pdci::PdciScratch;
 use super::rank::{pack, truncate_best, unpack};
 use super::{DciIndex, Metric, FREE};
+use crate::error::{try_filled, Result};
 use crate::simd;
 
 /// Leaf cells in the default field of view, per square root of the number of leaf cells.
@@ -49,10 +50,12 @@ impl DciIndex {
         k: usize,
         effort: f32,
         exact: bool,
-    ) -> (Vec<i64>, Vec<f32>) {
+    ) -> Result<(Vec<i64>, Vec<f32>)> {
         let d = self.cfg.dim;
-        let mut ids = vec![0i64; nq * k];
-        let mut scores = vec![0f32; nq * k];
+        // `nq * k` comes from the caller (k up to the index size): allocated fallibly.
+        let n = nq.saturating_mul(k);
+        let mut ids = try_filled(n, 0i64, "the result ids [nq, k]")?;
+        let mut scores = try_filled(n, 0f32, "the result scores [nq, k]")?;
         let one = |s: &mut Scratch, ((oi, os), q): ((&mut [i64], &mut [f32]), &[f32])| {
             if exact {
                 self.exact_candidates(q, s);
@@ -74,7 +77,7 @@ impl DciIndex {
                 .zip(queries.par_chunks_exact(d))
                 .for_each_init(Scratch::default, one);
         }
-        (ids, scores)
+        Ok((ids, scores))
     }
 
     /// Rank score (larger is better) from `q · k`: the inner product itself, or `2 q·k - |k|²`

@@ -10,11 +10,16 @@ use crate::simd;
 
 /// Members a build descent keeps in view at each tier above the target (its beam).
 const BUILD_COVER: usize = 32;
-/// The same for single inserts and removals: half the beam, for speed; one point placed a
-/// little worse costs far less than a whole build would.
-const INSERT_COVER: usize = 16;
-/// Nearest cells a promoted point looks at when it takes over closer members.
+/// The same for single inserts and removals. Half of it placed enough points in a cell other
+/// than their nearest to cost grown indexes recall (clustered keys, d = 64).
+const INSERT_COVER: usize = 32;
+/// Nearest cells a new member chooses among, and a promoted point re-clusters with.
 const STEAL_CELLS: usize = 4;
+/// Fewest points at which inserts rebuild the tree (and a 32nd of it for the upper tiers):
+/// below it, a tree is a handful of cells.
+const REGROW_MIN: usize = 512;
+/// Inserts rebuild the upper tiers when their points have grown by 1 / this.
+const UPPER_REGROW: usize = 20;
 /// Cells the build's refinement round chooses among for each point.
 const REFINE_CHOICES: usize = 4;
 /// Points per task of the build's grouped scoring: enough to share tiles (each chosen cell
@@ -203,6 +208,30 @@ impl DciIndex {
         }
     }
 
+    /// Every live cell's sums and route from its members (a loaded file's sums are not trusted:
+    /// every later route derives from them).
+    pub(super) fn recompute_sums(&mut self) {
+        let d = self.cfg.dim;
+        for t in 0..self.tiers.len() {
+            for cell in 0..self.tiers[t].cells.len() {
+                let c = &self.tiers[t].cells[cell];
+                if !c.live {
+                    continue;
+                }
+                let mut sum = vec![0f64; d];
+                let mut extra = 0f64;
+                for &m in &c.members {
+                    sum.iter_mut().zip(self.key(m)).for_each(|(s, &x)| *s += x as f64);
+                    extra += self.extra(m) as f64;
+                }
+                let c = &mut self.tiers[t].cells[cell];
+                c.sum = sum;
+                c.sum_extra = extra;
+                self.update_route(t, cell as u32);
+            }
+        }
+    }
+
     /// Codes and P-DCI arrays of every tier-0 cell, from scratch (after a build or a change of `c`).
     fn reindex_leaves(&mut self) {
         let d = self.cfg.dim;
@@ -253,13 +282,6 @@ impl DciIndex {
     }
 
     // ---------------------------------------------------------------- distances
-
-    /// Squared transformed distance between point `slot` and the route of a tier-`t` cell.
-    pub(super) fn route_dist(&self, t: usize, cell: u32, slot: u32) -> f32 {
-        let mut out = [0f32];
-        self.route_nearness(slot)(t, &[cell], &mut out);
-        -out[0]
-    }
 
     /// Scores of tier-`t` cells for point `slot`: `out[i]` = minus the squared transformed
     /// distance to the route of `cells[i]` (larger is nearer). The point's terms are computed
@@ -371,6 +393,18 @@ impl DciIndex {
         chunks.concat()
     }
 
+    /// The tier-`t` cell a new member `x` joins: of the cells nearest to it, the one whose
+    /// owner is nearest (cells stay the regions of their owners, as a build makes them, so
+    /// that a descent that reaches the owner reaches the members).
+    fn parent_cell(&self, t: usize, x: u32, buf: &mut Descent) -> u32 {
+        let near = self.near_cells(t, x, STEAL_CELLS, INSERT_COVER, buf);
+        let owner = |c: u32| self.tiers[t].cells[c as usize].owner;
+        near.iter()
+            .map(|&(_, c)| (self.point_dist(x, owner(c)), c))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .map_or(NONE, |b| b.1)
+    }
+
     fn nearest_cell(&self, t: usize, slot: u32, cover: usize, buf: &mut Descent) -> u32 {
         self.descend(t, |_| cover, self.route_nearness(slot), buf);
         buf.cand.iter().max_by(|a, b| a.0.total_cmp(&b.0)).map(|x| x.1).unwrap_or(NONE)
@@ -418,49 +452,88 @@ impl DciIndex {
 
         for t in (0..top).rev() {
             let owners: Vec<u32> = (0..n as u32).filter(|&s| self.level[s as usize] as usize > t).collect();
-            let others: Vec<u32> = (0..n as u32).filter(|&s| self.level[s as usize] as usize == t).collect();
             for &o in &owners {
                 let c = self.new_cell(t, o);
                 self.cell_push(t, c, o, false);
                 self.update_route(t, c);
             }
-            // Assign to the nearest owner, then once more to the nearest centroid (one Lloyd step:
-            // tighter cells, so fewer of them cover a query's neighbours). The second round
-            // only compares the few cells the first one found nearest.
-            let near = self.build_near(t, &others);
-            for (&x, cs) in others.iter().zip(&near) {
-                self.cell_push(t, cs[0], x, false);
-            }
-            self.update_routes(t);
-            let this = &*self;
-            let refined: Vec<u32> = others
-                .par_iter()
-                .zip(&near)
-                .map(|(&x, cs)| {
-                    let cs = &cs[..cs.iter().position(|&c| c == NONE).unwrap_or(REFINE_CHOICES)];
-                    let mut score = [0f32; REFINE_CHOICES];
-                    this.route_nearness(x)(t, cs, &mut score[..cs.len()]);
-                    // The first of the nearest, as the round before ranked them.
-                    let best = (1..cs.len()).fold(0, |b, i| if score[i] > score[b] { i } else { b });
-                    cs[best]
-                })
-                .collect();
-            self.reset_tier_to_owners(t);
-            for (&x, &c) in others.iter().zip(&refined) {
-                self.cell_push(t, c, x, false);
-            }
-            self.update_routes(t);
+            self.assign_tier(t);
         }
+        self.built = n;
+        self.upper_built = self.upper_points();
         for (s, &l) in self.level.iter().enumerate() {
             debug_assert!(self.tiers[..=l as usize].iter().all(|t| t.member_cell[s] != NONE));
         }
         self.reindex_leaves();
     }
 
+    /// Assigns the points of level `t` to the tier-`t` cells, which hold their owners only (the
+    /// tiers above are complete): to the nearest owner, then once more to the nearest centroid
+    /// (one Lloyd step: tighter cells, so fewer of them cover a query's neighbours). The second
+    /// round only compares the few cells the first one found nearest.
+    fn assign_tier(&mut self, t: usize) {
+        let others: Vec<u32> = (0..self.level.len() as u32).filter(|&s| self.level[s as usize] as usize == t).collect();
+        let near = self.build_near(t, &others);
+        for (&x, cs) in others.iter().zip(&near) {
+            self.cell_push(t, cs[0], x, false);
+        }
+        self.update_routes(t);
+        let this = &*self;
+        let refined: Vec<u32> = others
+            .par_iter()
+            .zip(&near)
+            .map(|(&x, cs)| {
+                let cs = &cs[..cs.iter().position(|&c| c == NONE).unwrap_or(REFINE_CHOICES)];
+                let mut score = [0f32; REFINE_CHOICES];
+                this.route_nearness(x)(t, cs, &mut score[..cs.len()]);
+                // The first of the nearest, as the round before ranked them.
+                let best = (1..cs.len()).fold(0, |b, i| if score[i] > score[b] { i } else { b });
+                cs[best]
+            })
+            .collect();
+        self.reset_tier_to_owners(t);
+        for (&x, &c) in others.iter().zip(&refined) {
+            self.cell_push(t, c, x, false);
+        }
+        self.update_routes(t);
+    }
+
+    /// Rebuilds tiers `lowest..top` as a bulk build makes them, top-down, with every point
+    /// keeping its level (so every cell its owner): each tier is emptied to its owners and its
+    /// other points assigned again.
+    pub(super) fn rebuild_tiers(&mut self, lowest: usize) {
+        let top = self.tiers.len() - 1;
+        for t in (lowest..top).rev() {
+            self.reset_tier_to_owners(t);
+            self.update_routes(t);
+            self.assign_tier(t);
+        }
+        if lowest == 0 {
+            self.code_center = self.live_mean();
+            self.reindex_leaves();
+            self.built = self.len;
+            self.leaf_rebuilds += 1;
+        }
+        self.upper_built = self.upper_points();
+    }
+
+    /// Mean of the keys in the index.
+    fn live_mean(&self) -> Vec<f32> {
+        let d = self.cfg.dim;
+        let mut sum = vec![0f64; d];
+        for (k, _) in self.keys.chunks_exact(d).zip(&self.level).filter(|(_, &l)| l != FREE) {
+            sum.iter_mut().zip(k).for_each(|(s, &x)| *s += x as f64);
+        }
+        sum.into_iter().map(|s| (s / self.len.max(1) as f64) as f32).collect()
+    }
+
     /// Empties every tier-`t` cell down to its owner (used between build rounds).
     fn reset_tier_to_owners(&mut self, t: usize) {
         let d = self.cfg.dim;
         for cell in 0..self.tiers[t].cells.len() {
+            if !self.tiers[t].cells[cell].live {
+                continue;
+            }
             let owner = self.tiers[t].cells[cell].owner;
             let extra = self.extra(owner) as f64;
             let key: Vec<f64> = self.key(owner).iter().map(|&x| x as f64).collect();
@@ -496,6 +569,26 @@ impl DciIndex {
         let slot = self.alloc_slot(key, id);
         let drawn = self.draw_level();
         self.place(slot, drawn);
+        self.regrow();
+    }
+
+    /// Inserts place points one at a time, each in a tree shaped by the points before it; a
+    /// build sees them all, and an index grown from a few points would drift far from what a
+    /// build makes. So the tree is rebuilt (levels kept, random promotion as drawn) when it
+    /// has doubled since it was last built, and the small upper tiers, which drift fastest,
+    /// whenever their points have grown by 1 / `UPPER_REGROW`. Both cost a constant share of
+    /// the inserts' work: the rebuilds form a geometric series.
+    fn regrow(&mut self) {
+        if self.len >= (2 * self.built).max(REGROW_MIN) {
+            self.rebuild_tiers(0);
+        } else if self.upper_points() >= (self.upper_built + self.upper_built / UPPER_REGROW).max(REGROW_MIN / 32) {
+            self.rebuild_tiers(1);
+        }
+    }
+
+    /// Points of level >= 1 (the members of tier 1).
+    pub(super) fn upper_points(&self) -> usize {
+        self.tiers.get(1).map_or(0, |t| t.num_members)
     }
 
     fn place(&mut self, x: u32, drawn: usize) {
@@ -523,7 +616,7 @@ impl DciIndex {
                 self.open_cell(t, x, &mut buf);
             }
         } else {
-            let parent = if lam == top { self.root } else { self.nearest_cell(lam, x, INSERT_COVER, &mut buf) };
+            let parent = if lam == top { self.root } else { self.parent_cell(lam, x, &mut buf) };
             self.cell_add(lam, parent, x);
             for t in (0..lam).rev() {
                 self.open_cell(t, x, &mut buf);
@@ -531,28 +624,72 @@ impl DciIndex {
         }
     }
 
-    /// Gives `x` its own tier-`t` cell and moves into it the members of nearby cells that are
-    /// closer to `x` than to their current route.
+    /// Gives `x` its own tier-`t` cell and re-clusters its neighbourhood as a bulk build would:
+    /// the members of the nearest cells go to their nearest owner among those cells and `x`,
+    /// then to the nearest centroid of that assignment (one Lloyd step). A new cell then takes
+    /// its share of the region (stealing only members nearer to `x` than to their centroid,
+    /// as before, left most new cells with `x` alone: a centroid is nearer than any one point).
     fn open_cell(&mut self, t: usize, x: u32, buf: &mut Descent) {
-        let mut near = [NONE; STEAL_CELLS];
-        for (n, &(_, c)) in near.iter_mut().zip(self.near_cells(t, x, STEAL_CELLS, INSERT_COVER, buf)) {
+        let mut cells = [NONE; STEAL_CELLS + 1];
+        for (n, &(_, c)) in cells[1..].iter_mut().zip(self.near_cells(t, x, STEAL_CELLS, INSERT_COVER, buf)) {
             *n = c;
         }
         let own = self.new_cell(t, x);
         self.cell_add(t, own, x);
-        for other in near.into_iter().filter(|&c| c != NONE) {
-            let owner = self.tiers[t].cells[other as usize].owner;
-            let movers: Vec<u32> = self.tiers[t].cells[other as usize]
-                .members
-                .iter()
-                .copied()
-                .filter(|&m| m != owner && self.point_dist(m, x) < self.route_dist(t, other, m))
-                .collect();
-            for m in movers {
-                self.cell_remove(t, other, m);
-                self.cell_push(t, own, m, t == 0);
+        cells[0] = own;
+        let k = 1 + cells[1..].iter().take_while(|&&c| c != NONE).count();
+        let cells = &cells[..k];
+        let owners: Vec<u32> = cells.iter().map(|&c| self.tiers[t].cells[c as usize].owner).collect();
+        let tier = &self.tiers[t];
+        let movers: Vec<(u32, usize)> = cells[1..]
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &c)| {
+                let c = &tier.cells[c as usize];
+                c.members.iter().filter(move |&&m| m != c.owner).map(move |&m| (m, i + 1))
+            })
+            .collect();
+        if movers.is_empty() {
+            return;
+        }
+        // Nearest owner, then the centroids of that assignment (owners included).
+        let d = self.cfg.dim;
+        let nearest_owner = |m: u32| {
+            (0..k).map(|i| (self.point_dist(m, owners[i]), i)).min_by(|a, b| a.0.total_cmp(&b.0)).map_or(0, |b| b.1)
+        };
+        let first: Vec<usize> = movers.iter().map(|&(m, _)| nearest_owner(m)).collect();
+        let mut sums = vec![0f64; k * d];
+        let mut extras = vec![0f64; k];
+        let mut counts = vec![0usize; k];
+        let mut add = |i: usize, m: u32| {
+            sums[i * d..(i + 1) * d].iter_mut().zip(self.key(m)).for_each(|(s, &v)| *s += v as f64);
+            extras[i] += self.extra(m) as f64;
+            counts[i] += 1;
+        };
+        for (i, &o) in owners.iter().enumerate() {
+            add(i, o);
+        }
+        for (&(m, _), &i) in movers.iter().zip(&first) {
+            add(i, m);
+        }
+        let means: Vec<f32> = (0..k * d).map(|j| (sums[j] / counts[j / d] as f64) as f32).collect();
+        let mean_sq: Vec<f32> = means.chunks_exact(d).map(|r| simd::dot(r, r)).collect();
+        let mean_extra: Vec<f32> = (0..k).map(|i| (extras[i] / counts[i] as f64) as f32).collect();
+        let mut dots = vec![0f32; k];
+        for (m, from) in movers {
+            simd::dot_rows(self.key(m), &means, &mut dots);
+            let terms = self.terms(m);
+            let to = (0..k)
+                .map(|i| (terms.nearness(dots[i], mean_sq[i], mean_extra[i]), i))
+                .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
+                .map_or(from, |b| b.1);
+            if to != from {
+                self.cell_remove(t, cells[from], m);
+                self.cell_push(t, cells[to], m, t == 0);
             }
-            self.update_route(t, own);
+        }
+        for &c in cells {
+            self.update_route(t, c);
         }
     }
 

@@ -52,8 +52,11 @@ pub(crate) struct HeadPages {
     pub token_page: Vec<(u32, u32)>,
     /// Sum of each page's keys (`dim` floats per page): where an inserted key fits best.
     page_sum: Vec<f32>,
-    /// Pages born in each leaf cell: an inserted key joins one of its cell's pages.
+    /// Pages of each leaf cell (where they were born, or, after the index rebuilt its leaves,
+    /// where most of their tokens are): an inserted key joins one of its cell's pages.
     cell_pages: HashMap<u32, Vec<u32>>,
+    /// The index's leaf rebuilds that `cell_pages` reflects.
+    leaf_rebuilds: u64,
 }
 
 /// One M-DCI tree and page layout per KV head. See the module docs.
@@ -82,7 +85,7 @@ impl HeadForest {
         ensure!(num_heads >= 1, "keys must have at least one head");
         cfg.validate()?;
         let d = cfg.dim;
-        let keys = keys.to_f32();
+        let keys = keys.to_f32_vec();
         let rows = check_rows(&keys, d, "keys")?;
         ensure!(rows % num_heads == 0, "keys: {rows} rows do not split into {num_heads} heads");
         let n = rows / num_heads;
@@ -156,6 +159,11 @@ impl HeadForest {
                     return Err(format!("head {h}: token {t} lives in page {page} but is tagged {tag}"));
                 }
             }
+            let mut listed: Vec<u32> = hp.cell_pages.values().flatten().copied().collect();
+            listed.sort_unstable();
+            if listed != (0..hp.pages.len() as u32).collect::<Vec<_>>() {
+                return Err(format!("head {h}: the pages of the leaf cells are not every page once"));
+            }
         }
         Ok(())
     }
@@ -225,7 +233,7 @@ impl HeadForest {
         let m = keys.len() / (h * d);
         let p = self.store_pages(k_store.len(), "k_store", self.max_pages() + m)?;
         ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
-        let f32_keys = T::keys(keys).to_f32();
+        let f32_keys = T::keys(keys).to_f32_vec();
         check_rows(&f32_keys, d, "keys")?;
         let start = self.len;
         let changed = self
@@ -299,6 +307,7 @@ impl HeadPages {
             token_page: vec![(u32::MAX, 0); n],
             page_sum: Vec::new(),
             cell_pages: HashMap::new(),
+            leaf_rebuilds: 0,
             index,
         };
         let cells: Vec<(u32, &[u32])> = hp.index.leaf_cells().collect();
@@ -319,7 +328,27 @@ impl HeadPages {
         }
         let token_page = &hp.token_page;
         hp.index.set_tags(|id| token_page[id as usize].0);
+        hp.leaf_rebuilds = hp.index.leaf_rebuilds();
         Ok(hp)
+    }
+
+    /// After the index rebuilt its leaves (an insert can make it, as it grows): each page
+    /// belongs to the leaf cell that holds most of its tokens now. Pages keep their tokens (the
+    /// stores and what the device holds stay valid); only where new keys look changes.
+    fn follow_leaf_rebuild(&mut self) {
+        self.cell_pages.clear();
+        let mut count: HashMap<u32, usize> = HashMap::new();
+        for (p, tokens) in self.pages.iter().enumerate() {
+            count.clear();
+            for &t in tokens {
+                *count.entry(self.index.leaf_cell_of(t as i64)).or_default() += 1;
+            }
+            let cell = count.iter().max_by_key(|&(&c, &n)| (n, std::cmp::Reverse(c))).map(|(&c, _)| c);
+            if let Some(cell) = cell {
+                self.cell_pages.entry(cell).or_default().push(p as u32);
+            }
+        }
+        self.leaf_rebuilds = self.index.leaf_rebuilds();
     }
 
     /// Registers a new page of `cell` holding `tokens`; returns its id.
@@ -366,6 +395,9 @@ impl HeadPages {
         let (d, s) = (store.d, store.s);
         self.index.add(KeyData::F32(key), Some(&[pos as i64]))?;
         self.token_page.push((u32::MAX, 0));
+        if self.index.leaf_rebuilds() != self.leaf_rebuilds {
+            self.follow_leaf_rebuild();
+        }
         let cell = self.index.leaf_cell_of(pos as i64);
         // The nearest of the cell's pages by centroid, preferring pages with room.
         let dist = |p: u32| {

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from numbers import Integral, Real
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 __all__ = ["IceCacheConfig"]
 
@@ -14,6 +15,88 @@ _PAGE_SIZES = range(8, 65)
 #: ``SUPERSET_MIN`` pages (see ``superset_pages``).
 SUPERSET_FACTOR = 4
 SUPERSET_MIN = 32
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _non_negative_int(value: Any) -> Optional[str]:
+    return None if _is_int(value) and value >= 0 else f"must be a non-negative int, got {value!r}"
+
+
+def _optional(check: Callable[[Any], Optional[str]]) -> Callable[[Any], Optional[str]]:
+    return lambda value: None if value is None else check(value)
+
+
+def _positive_int(value: Any) -> Optional[str]:
+    return None if _is_int(value) and value >= 1 else f"must be an int >= 1 (or None), got {value!r}"
+
+
+def _effort(value: Any) -> Optional[str]:
+    if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value)) and float(value) > 0:
+        return None
+    return f"must be > 0 and finite, got {value!r}"
+
+
+def _index_parameter(name: str) -> Callable[[Any], Optional[str]]:
+    """A parameter of :class:`icecache.HeadForest` whose range the core checks: an empty index
+    made with it says whether it is valid (so the limits live in one place)."""
+
+    def check(value: Any) -> Optional[str]:
+        if isinstance(value, bool) or (name == "promotion" and isinstance(value, str)):
+            return f"got {value!r}"
+        from icecache import DCIIndex
+
+        try:
+            DCIIndex(1, **{name: value})
+        except (TypeError, ValueError, OverflowError) as exc:
+            return f"{exc} (got {value!r})"
+        return None
+
+    return check
+
+
+def _device(value: Any) -> Optional[str]:
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        return str(exc)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            return f"{value!r} names CUDA device {device.index or 0}, but {count} CUDA device(s) are available"
+    return None
+
+
+def _bool(value: Any) -> Optional[str]:
+    return None if isinstance(value, bool) else f"must be True or False, got {value!r}"
+
+
+# One check per field: it returns what is wrong with a value, or None. Every field has one.
+_FIELD_CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
+    "budget": _non_negative_int,
+    "page_size": _non_negative_int,
+    "sink": _non_negative_int,
+    "window": _non_negative_int,
+    "full_layers": _non_negative_int,
+    "reuse": _non_negative_int,
+    "lookahead": _bool,
+    "superset_pages": _optional(_non_negative_int),
+    "successors": _non_negative_int,
+    "refresh": _non_negative_int,
+    "cuda_graphs": _bool,
+    "pool_pages": _optional(_non_negative_int),
+    "effort": _effort,
+    "num_simple": _optional(_index_parameter("num_simple")),
+    "num_composite": _optional(_index_parameter("num_composite")),
+    "promotion": _optional(_index_parameter("promotion")),
+    "seed": _optional(_index_parameter("seed")),
+    "threads": _optional(_positive_int),
+    "device": _optional(_device),
+}
 
 
 @dataclass(frozen=True)
@@ -89,13 +172,10 @@ class IceCacheConfig:
     device: Any = None
 
     def __post_init__(self) -> None:
-        for name in ("lookahead", "cuda_graphs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"IceCacheConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("budget", "page_size", "sink", "window", "full_layers", "reuse", "successors", "refresh"):
-            value = getattr(self, name)
-            if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"IceCacheConfig.{name} must be a non-negative int, got {value!r}")
+        for f in fields(self):
+            problem = _FIELD_CHECKS[f.name](getattr(self, f.name))
+            if problem is not None:
+                raise ValueError(f"IceCacheConfig.{f.name} {problem}")
         if self.page_size not in _PAGE_SIZES:
             raise ValueError(f"IceCacheConfig.page_size must be in 8..64, got {self.page_size}")
         if self.window < self.page_size or self.window % self.page_size:
@@ -113,32 +193,17 @@ class IceCacheConfig:
                 f"IceCacheConfig.budget ({self.budget}) is below sink ({self.sink}) + window "
                 f"({self.window}) + one page ({self.page_size}); it must be at least {need}"
             )
-        if self.superset_pages is not None and (
-            not isinstance(self.superset_pages, Integral)
-            or isinstance(self.superset_pages, bool)
-            or self.superset_pages < self.retrieved_pages
-        ):
+        if self.superset_pages is not None and self.superset_pages < self.retrieved_pages:
             raise ValueError(
                 f"IceCacheConfig.superset_pages ({self.superset_pages!r}) must be an int >= the retrieved "
                 f"pages per step ({self.retrieved_pages})"
             )
         least = self.selected_pages
-        if self.pool_pages is not None and (
-            not isinstance(self.pool_pages, Integral) or isinstance(self.pool_pages, bool) or self.pool_pages < least
-        ):
+        if self.pool_pages is not None and self.pool_pages < least:
             raise ValueError(
                 f"IceCacheConfig.pool_pages ({self.pool_pages!r}) must be an int >= the pages selected "
                 f"per step ({least}: {'superset_pages' if self.lookahead else 'the retrieved pages'})"
             )
-        if not isinstance(self.effort, Real) or not self.effort > 0:
-            raise ValueError(f"IceCacheConfig.effort must be > 0, got {self.effort!r}")
-        if self.device is not None:
-            import torch
-
-            try:
-                torch.device(self.device)
-            except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"IceCacheConfig.device: {exc}") from None
 
     @property
     def retrieved_pages(self) -> int:

@@ -85,9 +85,10 @@ capture per document, its cache), :mod:`~icecache.eval.recall.methods` (the sele
 from icecache.eval.recall.capture import DocQKV, default_eval_cache_dir, load_or_capture, query_positions
 from icecache.eval.recall.evaluate import DEFAULT_BUDGETS, evaluate_qkv, evaluate_recall
 from icecache.eval.recall.methods import DIAGNOSTIC_METHODS, METHOD_LABELS, METHODS, REFERENCE_FOREST_KWARGS
-from icecache.eval.recall.report import RecallResult
+from icecache.eval.recall.report import RecallResult, plotting_missing
 
 __all__ = [
+    "plotting_missing",
     "DEFAULT_BUDGETS",
     "METHODS",
     "DIAGNOSTIC_METHODS",

@@ -15,7 +15,7 @@ import numpy as np
 from icecache._util import progress_bar
 from icecache.eval.recall.capture import DocQKV, load_or_capture
 from icecache.eval.recall.methods import REFERENCE_FOREST_KWARGS, Forest, Query, make_selectors, resolve_methods
-from icecache.eval.recall.report import SAMPLE_FIELDS, RecallResult, layer_ranges
+from icecache.eval.recall.report import SAMPLE_FIELDS, RecallResult, layer_ranges, plotting_missing
 
 __all__ = ["DEFAULT_BUDGETS", "evaluate_qkv", "evaluate_recall"]
 
@@ -291,7 +291,8 @@ def evaluate_recall(
 
     Captures (or loads from the cache) ``n_docs`` real documents of ``n_tokens`` tokens, then
     runs :func:`evaluate_qkv`. With ``out_dir`` it writes ``recall_table.md``,
-    ``recall.json`` and (with ``plot``) ``recall_vs_budget.png`` there.
+    ``recall.json`` and then (with ``plot``) ``recall_vs_budget.png`` there. A plot that needs
+    a missing matplotlib raises ``ImportError`` before any work.
 
     Args:
         layers: layers to evaluate; default every layer >= 2.
@@ -301,6 +302,10 @@ def evaluate_recall(
     Returns:
         The :class:`RecallResult` (``.to_markdown()`` is the table).
     """
+    if out_dir is not None and plot:
+        missing = plotting_missing()
+        if missing is not None:
+            raise ImportError(f"the recall plot needs what is missing: {missing}; or pass plot=False")
     t0 = time.perf_counter()
     docs = load_or_capture(
         n_docs,

@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -236,6 +236,16 @@ class RecallResult:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(str(path), dpi=110)
         return path
+
+
+def plotting_missing() -> Optional[str]:
+    """``None`` if :meth:`RecallResult.save_plot` can run; otherwise what to install for it (its
+    one optional dependency, matplotlib: checked before any work, not after it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib, or icecache[bench])"
+    return None
 
 
 def _json_default(x):

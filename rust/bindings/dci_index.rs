@@ -1,0 +1,211 @@
+//! `DCIIndex`: the M-DCI index on its own, as an approximate nearest-neighbour index.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use numpy::IntoPyArray;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::arrays::{extract_ids, matrix, Keys, NdArray1, NdArray2};
+use super::guard::{entry, on_pool, run, sizes, to_py, Shared};
+use crate::index::{Config, DciIndex, Metric};
+
+/// Approximate nearest-neighbour index over a multi-level Dynamic Continuous Indexing tree.
+/// See ``icecache/_core.pyi`` for the full documentation.
+#[pyclass(name = "DCIIndex", module = "icecache._core", frozen)]
+pub struct PyDciIndex {
+    inner: Shared<DciIndex>,
+    pool: Option<Arc<rayon::ThreadPool>>,
+    dim: usize,
+    metric: Metric,
+}
+
+/// A pool of `threads` workers for one object's parallel work (`None`: rayon's global pool).
+pub(super) fn make_pool(threads: Option<usize>) -> PyResult<Option<Arc<rayon::ThreadPool>>> {
+    match threads {
+        None => Ok(None),
+        Some(0) => Err(PyValueError::new_err("threads must be at least 1 (or None for all cores)")),
+        Some(n) => rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .map(|p| Some(Arc::new(p)))
+            .map_err(|e| PyRuntimeError::new_err(e.to_string())),
+    }
+}
+
+/// The index parameters both Python types take, applied to `cfg` and validated by the core.
+pub(super) fn apply_config(
+    cfg: &mut Config,
+    num_simple: Option<usize>,
+    num_composite: Option<usize>,
+    promotion: Option<&Bound<'_, PyAny>>,
+    seed: Option<u64>,
+    effort: f32,
+) -> PyResult<()> {
+    if let Some(m) = num_simple {
+        cfg.num_simple = m;
+    }
+    if let Some(l) = num_composite {
+        cfg.num_composite = l;
+    }
+    if let Some(p) = promotion {
+        cfg.promotion = match p.extract::<f64>() {
+            Ok(x) => vec![x],
+            Err(_) => p
+                .extract::<Vec<f64>>()
+                .map_err(|_| PyValueError::new_err("promotion must be a float or a sequence of floats"))?,
+        };
+    }
+    cfg.seed = seed;
+    cfg.effort = effort;
+    cfg.validate().map_err(to_py)
+}
+
+impl PyDciIndex {
+    fn wrap(inner: DciIndex, pool: Option<Arc<rayon::ThreadPool>>) -> PyDciIndex {
+        let (dim, metric) = (inner.dim(), inner.metric());
+        PyDciIndex { inner: Shared::new(inner, "DCIIndex"), pool, dim, metric }
+    }
+
+    fn pool(&self) -> Option<&rayon::ThreadPool> {
+        self.pool.as_deref()
+    }
+}
+
+#[pymethods]
+impl PyDciIndex {
+    #[new]
+    #[pyo3(signature = (dim, metric = "ip", *, num_simple = None, num_composite = None, promotion = None, seed = None, threads = None, effort = 1.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        #[pyo3(from_py_with = sizes::dim)] dim: usize,
+        metric: &str,
+        #[pyo3(from_py_with = sizes::num_simple)] num_simple: Option<usize>,
+        #[pyo3(from_py_with = sizes::num_composite)] num_composite: Option<usize>,
+        promotion: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = sizes::seed)] seed: Option<u64>,
+        #[pyo3(from_py_with = sizes::threads)] threads: Option<usize>,
+        effort: f32,
+    ) -> PyResult<Self> {
+        entry(|| {
+            let mut cfg = Config::new(dim, Metric::parse(metric).map_err(to_py)?);
+            apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
+            let inner = DciIndex::new(cfg).map_err(to_py)?;
+            Ok(PyDciIndex::wrap(inner, make_pool(threads)?))
+        })
+    }
+
+    /// Key dimension.
+    #[getter]
+    fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// ``"ip"`` or ``"l2"``.
+    #[getter]
+    fn metric(&self) -> &'static str {
+        self.metric.name()
+    }
+
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        entry(|| self.inner.view(py, |idx| Ok(idx.len())))
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let len = self.__len__(py)?;
+        Ok(format!("DCIIndex(dim={}, metric={:?}, len={len})", self.dim, self.metric.name()))
+    }
+
+    /// Adds ``keys`` ``[n, dim]`` under ``ids`` (fresh ids when None); returns the ids.
+    #[pyo3(signature = (keys, ids = None))]
+    fn add<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        ids: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<NdArray1<'py, i64>> {
+        entry(|| {
+            let (keys, n) = Keys::extract(keys, "keys", self.dim)?;
+            let ids = ids.map(extract_ids).transpose()?;
+            let data = keys.data()?;
+            let pool = self.pool();
+            let out = self.inner.update(py, |idx| {
+                // Only a bulk build (into an empty index) runs in parallel.
+                let parallel = idx.is_empty() && n > 1;
+                on_pool(pool, parallel, || idx.add(data, ids.as_deref()))
+            })?;
+            Ok(out.into_pyarray(py))
+        })
+    }
+
+    /// Removes the points with these ids (all must exist; otherwise nothing changes).
+    fn remove(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        entry(|| {
+            let ids = extract_ids(ids)?;
+            self.inner.update(py, |idx| idx.remove(&ids))
+        })
+    }
+
+    /// Top-``k`` neighbours of each query row: ``(ids [nq, k] int64, scores [nq, k] float32)``.
+    #[pyo3(signature = (queries, k, *, effort = None, exact = false))]
+    fn query<'py>(
+        &self,
+        py: Python<'py>,
+        queries: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = sizes::k)] k: usize,
+        effort: Option<f32>,
+        exact: bool,
+    ) -> PyResult<(NdArray2<'py, i64>, NdArray2<'py, f32>)> {
+        entry(|| {
+            let (queries, nq) = Keys::extract(queries, "queries", self.dim)?;
+            let data = queries.data()?;
+            let pool = self.pool();
+            let (ids, scores) =
+                self.inner.view(py, |idx| on_pool(pool, nq > 1, || idx.query(data, k, effort, exact)))?;
+            Ok((matrix(py, (nq, k), ids)?, matrix(py, (nq, k), scores)?))
+        })
+    }
+
+    /// Writes the index to ``path`` (versioned header + checksum; atomic rename).
+    fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        entry(|| self.inner.view(py, |idx| idx.save(&path)))
+    }
+
+    /// Reads an index written by ``save``.
+    #[staticmethod]
+    #[pyo3(signature = (path, threads = None))]
+    fn load(
+        py: Python<'_>,
+        path: PathBuf,
+        #[pyo3(from_py_with = sizes::threads)] threads: Option<usize>,
+    ) -> PyResult<Self> {
+        entry(|| {
+            let pool = make_pool(threads)?;
+            let inner = run(py, || DciIndex::load(&path))?;
+            Ok(PyDciIndex::wrap(inner, pool))
+        })
+    }
+
+    /// Shape of the tree: ``len``, ``levels`` (points per level), ``cells_per_tier``,
+    /// ``mean_leaf_cell``, ``max_leaf_cell``, ``c``, ``bytes``, and the configuration.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        entry(|| {
+            let (s, cfg) = self.inner.view(py, |idx| Ok((idx.stats(), idx.config().clone())))?;
+            let d = PyDict::new(py);
+            d.set_item("len", s.len)?;
+            d.set_item("levels", s.points_per_level)?;
+            d.set_item("cells_per_tier", s.cells_per_tier)?;
+            d.set_item("mean_leaf_cell", s.mean_leaf_cell)?;
+            d.set_item("max_leaf_cell", s.max_leaf_cell)?;
+            d.set_item("c", s.c)?;
+            d.set_item("bytes", s.bytes)?;
+            d.set_item("num_simple", cfg.num_simple)?;
+            d.set_item("num_composite", cfg.num_composite)?;
+            d.set_item("promotion", cfg.promotion)?;
+            d.set_item("effort", cfg.effort)?;
+            Ok(d)
+        })
+    }
+}

@@ -1,0 +1,239 @@
+//! `HeadForest`: one M-DCI tree per KV head of a layer, laid out as semantic pages, with page
+//! selection and decode-time inserts.
+
+use std::sync::Arc;
+
+use numpy::{IntoPyArray, PyArrayDescrMethods, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use super::arrays::{check_shape, matrix, ro, rw, to_i32, with_elem, Keys, NdArray1, NdArray2};
+use super::dci_index::{apply_config, make_pool};
+use super::guard::{entry, on_pool, release, run, sizes, Shared};
+use crate::pages::HeadForest;
+use crate::select::SelectParams;
+
+/// One M-DCI tree per KV head of one layer, laid out as semantic pages.
+/// See ``icecache/_core.pyi`` for the full documentation.
+#[pyclass(name = "HeadForest", module = "icecache._core", frozen)]
+pub struct PyHeadForest {
+    /// Shared with the look-ahead worker's jobs (`bindings::lookahead`).
+    pub(super) inner: Shared<HeadForest>,
+    pool: Option<Arc<rayon::ThreadPool>>,
+    pub(super) num_heads: usize,
+    pub(super) dim: usize,
+    pub(super) page_size: usize,
+}
+
+impl PyHeadForest {
+    fn pool(&self) -> Option<&rayon::ThreadPool> {
+        self.pool.as_deref()
+    }
+
+    /// K and V page stores: `[H_kv, P, page_size, d]` each.
+    fn check_stores(&self, k_shape: &[usize], v_shape: &[usize]) -> PyResult<()> {
+        let want = [Some(self.num_heads), None, Some(self.page_size), Some(self.dim)];
+        check_shape("k_store", k_shape, &want)?;
+        check_shape("v_store", v_shape, &want)
+    }
+}
+
+#[pymethods]
+impl PyHeadForest {
+    #[new]
+    #[pyo3(signature = (keys, *, page_size = 16, seed = None, threads = None, num_simple = None, num_composite = None, promotion = None, effort = 1.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = sizes::page_size)] page_size: usize,
+        #[pyo3(from_py_with = sizes::seed)] seed: Option<u64>,
+        #[pyo3(from_py_with = sizes::threads)] threads: Option<usize>,
+        #[pyo3(from_py_with = sizes::num_simple)] num_simple: Option<usize>,
+        #[pyo3(from_py_with = sizes::num_composite)] num_composite: Option<usize>,
+        promotion: Option<&Bound<'_, PyAny>>,
+        effort: f32,
+    ) -> PyResult<Self> {
+        entry(|| {
+            let (keys, shape) = Keys::extract_nd(keys, "keys", 0, 3)?;
+            let mut cfg = HeadForest::default_config(shape[2]);
+            apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
+            let pool = make_pool(threads)?;
+            let data = keys.data()?;
+            let p = pool.as_deref();
+            let inner = run(py, || on_pool(p, true, || HeadForest::build(data, shape[0], cfg, page_size)))?;
+            let (num_heads, dim, page_size) = (inner.num_heads(), inner.dim(), inner.page_size());
+            Ok(PyHeadForest { inner: Shared::new(inner, "HeadForest"), pool, num_heads, dim, page_size })
+        })
+    }
+
+    /// KV heads.
+    #[getter]
+    fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+
+    /// Key dimension.
+    #[getter]
+    fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Tokens per page.
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        entry(|| self.inner.view(py, |f| Ok(f.len())))
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        entry(|| {
+            let (len, max_pages) = self.inner.view(py, |f| Ok((f.len(), f.max_pages())))?;
+            Ok(format!(
+                "HeadForest(num_heads={}, tokens={len}, dim={}, page_size={}, max_pages={max_pages})",
+                self.num_heads, self.dim, self.page_size
+            ))
+        })
+    }
+
+    /// Pages of ``head``.
+    fn num_pages(&self, py: Python<'_>, #[pyo3(from_py_with = sizes::head)] head: usize) -> PyResult<usize> {
+        entry(|| self.inner.view(py, |f| f.num_pages(head)))
+    }
+
+    /// Largest page count over the heads.
+    fn max_pages(&self, py: Python<'_>) -> PyResult<usize> {
+        entry(|| self.inner.view(py, |f| Ok(f.max_pages())))
+    }
+
+    /// Token positions in ``page`` of ``head``, in slot order.
+    fn page_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = sizes::head)] head: usize,
+        #[pyo3(from_py_with = sizes::page)] page: usize,
+    ) -> PyResult<NdArray1<'py, i64>> {
+        entry(|| {
+            let t = self
+                .inner
+                .view(py, |f| Ok(f.page_tokens(head, page)?.iter().map(|&x| x as i64).collect::<Vec<_>>()))?;
+            Ok(t.into_pyarray(py))
+        })
+    }
+
+    /// ``(page, slot)`` of every token position of ``head``.
+    fn token_map<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = sizes::head)] head: usize,
+    ) -> PyResult<(NdArray1<'py, i32>, NdArray1<'py, i32>)> {
+        entry(|| {
+            let m = self.inner.view(py, |f| Ok(f.token_map(head)?.to_vec()))?;
+            let pages = to_i32(m.iter().map(|x| x.0), "page")?;
+            let slots = to_i32(m.iter().map(|x| x.1), "slot")?;
+            Ok((pages.into_pyarray(py), slots.into_pyarray(py)))
+        })
+    }
+
+    /// Writes K and V of every token into the page stores.
+    fn write_pages(
+        &self,
+        py: Python<'_>,
+        k_src: &Bound<'_, PyAny>,
+        v_src: &Bound<'_, PyAny>,
+        k_store: &Bound<'_, PyAny>,
+        v_store: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        entry(|| {
+            let arrays = [k_src, v_src, k_store, v_store].map(|a| a.clone().unbind());
+            // The forest's shared lock first, then the arrays, with the GIL again.
+            self.inner.with_read(py, |py, forest| {
+                let [k_src, v_src, k_store, v_store] = arrays.each_ref().map(|a| a.bind(py));
+                let (h, d) = (self.num_heads, self.dim);
+                let n = forest.len();
+                with_elem!(k_store, "k_store", |T| {
+                    let (mut ks, kshape) = rw::<T>(k_store, "k_store")?;
+                    let (mut vs, vshape) = rw::<T>(v_store, "v_store")?;
+                    let (kr, krs) = ro::<T>(k_src, "k_src")?;
+                    let (vr, vrs) = ro::<T>(v_src, "v_src")?;
+                    check_shape("k_src", &krs, &[Some(h), Some(n), Some(d)])?;
+                    check_shape("v_src", &vrs, &[Some(h), Some(n), Some(d)])?;
+                    self.check_stores(&kshape, &vshape)?;
+                    let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
+                    let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
+                    let pool = self.pool();
+                    release(py, || on_pool(pool, true, || forest.write_pages(krl, vrl, ksl, vsl)))
+                })
+            })
+        })
+    }
+
+    /// Pages for one decode step: ``(pages [H_kv, max_pages] int32, counts [H_kv] int32)``.
+    #[pyo3(signature = (queries, max_pages, *, scale = None, effort = None, exact = false, successors = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn select<'py>(
+        &self,
+        py: Python<'py>,
+        queries: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = sizes::max_pages)] max_pages: usize,
+        scale: Option<f32>,
+        effort: Option<f32>,
+        exact: bool,
+        #[pyo3(from_py_with = sizes::successors)] successors: usize,
+    ) -> PyResult<(NdArray2<'py, i32>, NdArray1<'py, i32>)> {
+        entry(|| {
+            let (q, _) = Keys::extract(queries, "queries", self.dim)?;
+            let q = q.data()?;
+            let pool = self.pool();
+            let dim = self.dim;
+            let (pages, counts) = self.inner.view(py, |f| {
+                let params = SelectParams {
+                    max_pages,
+                    scale: scale.unwrap_or(1.0 / (dim as f32).sqrt()),
+                    effort: effort.unwrap_or(f.heads_effort()),
+                    exact,
+                    successors,
+                };
+                on_pool(pool, true, || f.select(&q.to_f32_vec(), params))
+            })?;
+            Ok((matrix(py, (self.num_heads, max_pages), pages)?, counts.into_pyarray(py)))
+        })
+    }
+
+    /// Appends tokens (``[H_kv, m, d]``), writes them into the stores; returns changed pages per head.
+    fn insert<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        values: &Bound<'py, PyAny>,
+        k_store: &Bound<'py, PyAny>,
+        v_store: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<NdArray1<'py, i32>>> {
+        entry(|| {
+            let arrays = [keys, values, k_store, v_store].map(|a| a.clone().unbind());
+            // The lock first: a second writer waits for it instead of failing on the stores.
+            let changed = self.inner.with_write(py, |py, forest| {
+                let [keys, values, k_store, v_store] = arrays.each_ref().map(|a| a.bind(py));
+                let (h, d) = (self.num_heads, self.dim);
+                with_elem!(k_store, "k_store", |T| {
+                    let (mut ks, kshape) = rw::<T>(k_store, "k_store")?;
+                    let (mut vs, vshape) = rw::<T>(v_store, "v_store")?;
+                    let (kr, krs) = ro::<T>(keys, "keys")?;
+                    let (vr, vrs) = ro::<T>(values, "values")?;
+                    check_shape("keys", &krs, &[Some(h), None, Some(d)])?;
+                    check_shape("values", &vrs, &[Some(h), Some(krs[1]), Some(d)])?;
+                    self.check_stores(&kshape, &vshape)?;
+                    let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
+                    // Copies: what the core validates must be what it inserts, whatever other
+                    // threads do to the caller's arrays meanwhile.
+                    let (krl, vrl) = (kr.as_slice()?.to_vec(), vr.as_slice()?.to_vec());
+                    let pool = self.pool();
+                    release(py, || on_pool(pool, true, || forest.insert(&krl, &vrl, ksl, vsl)))
+                })
+            })?;
+            changed.into_iter().map(|c| Ok(to_i32(c, "page")?.into_pyarray(py))).collect()
+        })
+    }
+}

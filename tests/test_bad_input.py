@@ -1,0 +1,173 @@
+"""Hostile arguments to the core's Python API: sizes far beyond what the data can need, ids and
+counts outside their integer range, arrays passed twice, bools for sizes. Each raises a clean
+``Exception`` subclass with a clear message (never an abort or a ``PanicException``, which is a
+``BaseException``) or works correctly. Calls that could abort run in a subprocess."""
+
+from __future__ import annotations
+
+import icecache
+import numpy as np
+import pytest
+from icecache import DCIIndex, HeadForest, ResidentPages
+from isolated import isolated
+
+
+def forest(n=300, heads=2, dim=16, page_size=8, seed=0):
+    keys = np.random.default_rng(seed).random((heads, n, dim), dtype=np.float32)
+    return HeadForest(keys, page_size=page_size, seed=seed), keys
+
+
+# --------------------------------------------------------------------------------------------
+# huge sizes: a clean MemoryError or ValueError, never an abort
+# --------------------------------------------------------------------------------------------
+
+
+def test_select_with_huge_max_pages_raises_memory_error():
+    out = isolated(
+        """
+        f = HeadForest(np.random.rand(2, 300, 16).astype(np.float32), page_size=8)
+        q = np.ones((4, 16), np.float32)
+        attempt(lambda: f.select(q, max_pages=2**40))
+        attempt(lambda: f.select(q, max_pages=2**62))
+        pages, counts = attempt(lambda: f.select(q, max_pages=f.max_pages() + 3))
+        print(pages.shape[1] == f.max_pages() + 3, bool((pages[:, counts.min():] < f.max_pages()).all()))
+        """
+    )
+    assert out[0].startswith("MemoryError: ") and out[1].startswith("MemoryError: "), out
+    assert out[2:] == ["OK", "True True"], out
+
+
+def test_query_with_a_huge_result_raises_memory_error():
+    """``nq * k`` results (k up to the index size) are allocated fallibly: 2**24 queries of the
+    2**16 nearest keys ask for 12 TB."""
+    out = isolated(
+        """
+        idx = DCIIndex(1, seed=0)
+        idx.add(np.random.default_rng(0).standard_normal((2**16, 1), dtype=np.float32))
+        q = np.ones((2**24, 1), np.float32)
+        attempt(lambda: idx.query(q, 2**16))
+        attempt(lambda: idx.query(q[:2], 3))
+        """
+    )
+    assert out[0].startswith("MemoryError: ") and out[1] == "OK", out
+
+
+def test_resident_pages_capacity_is_range_checked_and_costs_nothing_up_front():
+    out = isolated(
+        """
+        import resource
+        attempt(lambda: ResidentPages(2, 2**40))
+        attempt(lambda: ResidentPages(1, 2**62))
+        attempt(lambda: ResidentPages(1, -1))
+        attempt(lambda: ResidentPages(2**40, 4))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        r = attempt(lambda: ResidentPages(2, 2**31 - 1))
+        heads, pages, slots, table = r.plan(np.array([[7, 3], [1, -1]]), np.array([2, 1]))
+        grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        print(grown_mb < 50, heads.tolist(), pages.tolist(), table.tolist())
+        """
+    )
+    assert [o.split(":")[0] for o in out[:4]] == ["ValueError"] * 4, out
+    assert "capacity" in out[0] and "capacity" in out[1], out
+    assert out[4] == "OK", out
+    assert out[5] == "True [0, 0, 1] [3, 7, 1] [[0, 1], [0, -1]]", out
+
+
+def test_plan_with_far_page_ids_does_not_allocate_per_page():
+    """One bogus page id used to size a dense page table: 3.4 GB for ids near 5e8."""
+    out = isolated(
+        """
+        import resource
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        r = ResidentPages(2, 4)
+        plan = attempt(lambda: r.plan(np.array([[500_000_000, -1], [400_000_000, -1]]), np.array([1, 1])))
+        grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        print(grown_mb < 50, [a.tolist() for a in plan])
+        # the pages stay resident: the same selection loads nothing
+        print([a.tolist() for a in r.plan(np.array([[500_000_000, -1], [400_000_000, -1]]), np.array([1, 1]))])
+        """
+    )
+    assert out[0] == "OK", out
+    assert out[1] == "True [[0, 1], [500000000, 400000000], [0, 0], [[0, -1], [0, -1]]]", out
+    assert out[2] == "[[], [], [], [[0, -1], [0, -1]]]", out
+
+
+# --------------------------------------------------------------------------------------------
+# panics: never a PanicException
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_same_array_as_source_and_store_is_a_value_error():
+    out = isolated(
+        """
+        f = HeadForest(np.random.rand(2, 300, 16).astype(np.float32), page_size=8)
+        ks = np.zeros((2, f.max_pages() + 8, 8, 16), np.float32)
+        vs = np.zeros_like(ks)
+        attempt(lambda: f.write_pages(ks, vs, ks, vs))
+        attempt(lambda: f.insert(ks, vs, ks, vs))
+        attempt(lambda: f.write_pages(np.zeros((2, 300, 16), np.float32), np.zeros((2, 300, 16), np.float32), ks, ks))
+        attempt(lambda: gather_pages(ks, vs, np.array([0]), np.array([0]), ks[0], vs[0]))
+        print(len(f))
+        """
+    )
+    assert all(o.startswith("ValueError: ") for o in out[:4]), out
+    assert out[4] == "300", out
+
+
+# --------------------------------------------------------------------------------------------
+# ids and counts: range-checked, never cast
+# --------------------------------------------------------------------------------------------
+
+
+def test_plan_rejects_ids_and_counts_outside_int32_and_wrong_shapes():
+    r = ResidentPages(1, 4)
+    with pytest.raises(ValueError, match="page"):
+        r.plan(np.array([[2**32 + 5]]), np.array([1]))
+    with pytest.raises(ValueError, match="counts"):
+        r.plan(np.array([[5]]), np.array([2**32 + 1]))
+    with pytest.raises(ValueError, match="counts"):
+        r.plan(np.array([[5]]), np.array([[1]]))
+    with pytest.raises(ValueError, match="pages"):
+        r.plan(np.array([5]), np.array([1]))
+    with pytest.raises(ValueError, match="page"):
+        r.invalidate(0, np.array([2**40]))
+    with pytest.raises(ValueError, match="pages"):
+        r.invalidate(0, np.array([[1]]))
+    with pytest.raises((ValueError, TypeError), match="integer|int"):
+        r.plan(np.array([[5.5]]), np.array([1]))
+    # nothing changed: page 5 is not resident
+    assert r.plan(np.array([[5]]), np.array([1]))[1].tolist() == [5]
+
+
+def test_gather_pages_rejects_wrapping_ids_and_flattened_shapes():
+    ks = np.arange(2 * 3 * 8 * 4, dtype=np.float32).reshape(2, 3, 8, 4)
+    vs = ks + 1
+    kt = np.zeros((2, 8, 4), np.float32)
+    vt = np.zeros_like(kt)
+    with pytest.raises(ValueError, match="page"):
+        icecache.gather_pages(ks, vs, np.array([0]), np.array([2**32 + 1]), kt, vt)
+    with pytest.raises(ValueError, match="head"):
+        icecache.gather_pages(ks, vs, np.array([2**32]), np.array([1]), kt, vt)
+    with pytest.raises(ValueError, match="heads"):
+        icecache.gather_pages(ks, vs, np.array([[0, 1]]), np.array([1, 1]), kt, vt)
+    with pytest.raises(ValueError, match="pages"):
+        icecache.gather_pages(ks, vs, np.array([0, 1]), np.array([[1, 1]]), kt, vt)
+    assert not kt.any()
+    icecache.gather_pages(ks, vs, np.array([1, 0]), np.array([2, 1]), kt, vt)
+    np.testing.assert_array_equal(kt, ks[[1, 0], [2, 1]])
+
+
+def test_sizes_and_flags_reject_bools():
+    with pytest.raises(TypeError, match="dim"):
+        DCIIndex(True)
+    with pytest.raises(TypeError, match="k"):
+        idx = DCIIndex(4, seed=0)
+        idx.add(np.ones((3, 4), np.float32))
+        idx.query(np.ones((1, 4), np.float32), True)
+    f, _ = forest()
+    with pytest.raises(TypeError, match="max_pages"):
+        f.select(np.ones((4, 16), np.float32), True)
+    with pytest.raises(TypeError, match="page_size"):
+        HeadForest(np.ones((1, 20, 8), np.float32), page_size=True)
+    with pytest.raises(TypeError, match="capacity"):
+        ResidentPages(1, True)

@@ -1,0 +1,139 @@
+"""Sharing one index, forest or residency table between threads: queries run in parallel,
+writers are serialised by a lock in the core, and what a call validates is what it indexes.
+Each test runs its threads for a bounded time (a second or two)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+from icecache import DCIIndex, HeadForest, ResidentPages
+
+# --------------------------------------------------------------------------------------------
+
+
+def run_for(seconds, workers):
+    """Runs each worker (a function of a stop Event) in its own thread; returns their errors."""
+    stop = threading.Event()
+    errors = []
+
+    def wrap(w):
+        try:
+            w(stop)
+        except Exception as e:  # every error fails the test
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=wrap, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
+def test_dci_index_writers_and_readers_share_an_index_without_errors():
+    rng = np.random.default_rng(3)
+    dim = 16
+    base = rng.standard_normal((3000, dim), dtype=np.float32)
+    extra = rng.standard_normal((4000, dim), dtype=np.float32)
+    idx = DCIIndex(dim, seed=0)
+    idx.add(base)
+    queries = rng.standard_normal((8, dim), dtype=np.float32)
+    added = []
+
+    def writer(stop):
+        i = 0
+        while not stop.is_set() and i < len(extra) // 20:
+            ids = idx.add(extra[i * 20 : (i + 1) * 20])
+            idx.remove(ids[::2])
+            added.append(ids[1::2])
+            i += 1
+
+    def reader(stop):
+        while not stop.is_set():
+            ids, scores = idx.query(queries, 10)
+            assert (np.diff(scores, axis=1) <= 0).all()
+            idx.query(queries[:1], 5, exact=True)
+            len(idx)
+            idx.stats()
+
+    assert run_for(1.5, [writer, reader, reader, reader]) == []
+    live = np.concatenate([np.arange(3000)] + added)
+    keys = np.concatenate([base] + [extra[(ids - 3000)] for ids in added]) if added else base
+    assert len(idx) == len(live)
+    got_ids, got_scores = idx.query(queries, 10, exact=True)
+    ref = np.sort(queries.astype(np.float64) @ keys.T.astype(np.float64), axis=1)[:, ::-1][:, :10]
+    np.testing.assert_allclose(got_scores, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_head_forest_select_and_insert_from_threads_without_errors():
+    keys = np.random.default_rng(0).random((2, 400, 16), dtype=np.float32)
+    f = HeadForest(keys, page_size=8, seed=0)
+    cap = f.max_pages() + 400
+    ks = np.zeros((2, cap, 8, 16), np.float32)
+    vs = np.zeros_like(ks)
+    f.write_pages(keys, keys, ks, vs)
+    rng = np.random.default_rng(5)
+    new = rng.random((2, 200, 16), dtype=np.float32)
+
+    def writer(stop):
+        for i in range(200):
+            if stop.is_set():
+                break
+            f.insert(new[:, i : i + 1], new[:, i : i + 1], ks, vs)
+
+    def reader(stop):
+        q = rng.random((4, 16), dtype=np.float32)
+        while not stop.is_set():
+            pages, counts = f.select(q, 6)
+            assert (counts >= 1).all() and (pages[:, 0] < f.max_pages()).all()
+
+    assert run_for(1.0, [writer, reader, reader]) == []
+
+
+def test_resident_pages_plans_from_threads_without_errors():
+    r = ResidentPages(2, 8)
+
+    def planner(stop):
+        rng = np.random.default_rng(threading.get_ident() % 2**32)
+        while not stop.is_set():
+            pages = np.stack([rng.choice(40, 6, replace=False) for _ in range(2)])
+            heads, pages_out, slots, table = r.plan(pages, np.array([6, 6]))
+            assert ((table[:, :6] >= 0) & (table[:, :6] < 8)).all()
+
+    assert run_for(0.5, [planner, planner]) == []
+
+
+def test_add_validates_what_it_indexes_while_another_thread_writes_the_input():
+    """A thread flashes NaN into the key array while ``add`` runs: the call either raises
+    ValueError or indexes finite keys (validation and indexing read the same copy)."""
+    rng = np.random.default_rng(9)
+    keys = rng.standard_normal((200_000, 8), dtype=np.float32)
+    q = np.ones((1, 8), np.float32)
+    state = {"bad": 0, "rejected": 0, "runs": 0}
+
+    def flasher(stop):
+        r = np.random.default_rng(1)
+        while not stop.is_set():
+            i = int(r.integers(0, len(keys)))
+            keys[i, 0] = np.nan
+            keys[i, 0] = 1.0
+
+    def adder(stop):
+        while not stop.is_set():
+            idx = DCIIndex(8, seed=0)
+            try:
+                idx.add(keys)
+            except ValueError:
+                state["rejected"] += 1
+                continue
+            state["runs"] += 1
+            _, scores = idx.query(q, 1, exact=True)
+            state["bad"] += int(not np.isfinite(scores).all())
+
+    assert run_for(2.0, [flasher, adder]) == []
+    assert state["runs"] + state["rejected"] >= 1
+    assert state["bad"] == 0, state
