@@ -485,7 +485,10 @@ def test_long_generation_inserts_evicts_and_reloads(reuse, lookahead, refresh, p
     whenever a layer applies a host job, its pool holds exactly the pages the residency map
     says, as in the CPU stores."""
     model = tiny_model("llama")
-    cfg = IceCacheConfig(budget=96, full_layers=1, reuse=reuse, pool_pages=16, lookahead=lookahead, refresh=refresh)
+    # A superset of 12 pages in a pool of 16: loads and evictions at almost every step.
+    cfg = IceCacheConfig(
+        budget=96, full_layers=1, reuse=reuse, superset_pages=12, pool_pages=16, lookahead=lookahead, refresh=refresh
+    )
     cache = IceCache(cfg, model, track_recall=True)
     steps = 96
     run_steps(model, prompt_ids(400, seed=3), cache, steps)

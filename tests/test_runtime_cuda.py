@@ -49,7 +49,7 @@ def test_cuda_budget_covering_context_matches_full_cache(dtype, lookahead):
 def test_cuda_pages_move_through_pinned_staging(reuse, lookahead, pool_checks):  # noqa: F811
     model = tiny_model("llama").cuda().to(torch.bfloat16)
     ids, mask = _padded_batch()
-    cfg = IceCacheConfig(budget=96, full_layers=1, reuse=reuse, pool_pages=16, lookahead=lookahead)
+    cfg = IceCacheConfig(budget=96, full_layers=1, reuse=reuse, superset_pages=12, pool_pages=16, lookahead=lookahead)
     cache = IceCache(cfg, model, track_recall=True)
     logits = run_steps(model, ids, cache, 100, attention_mask=mask)
     torch.cuda.synchronize()
@@ -85,7 +85,7 @@ def test_cuda_graphs_decode_like_the_eager_path():
     ids, mask = _padded_batch()
     runs = []
     for graphs in (True, False):
-        cfg = IceCacheConfig(budget=96, full_layers=1, pool_pages=16, cuda_graphs=graphs)
+        cfg = IceCacheConfig(budget=96, full_layers=1, superset_pages=12, pool_pages=16, cuda_graphs=graphs)
         cache = IceCache(cfg, model)
         runs.append(run_steps(model, ids, cache, 40, attention_mask=mask))
         assert all(bool(layer._step._graphs) == graphs for layer in ice_layers(cache))

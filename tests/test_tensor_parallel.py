@@ -39,7 +39,7 @@ RANKS = 2
 PROMPT = 300
 STEPS = 20
 EXACT = IceCacheConfig(budget=1024, full_layers=1)  # every page fits: exact
-SMALL = IceCacheConfig(budget=96, full_layers=0)  # selects 12 (the superset) of more pages, attends 3
+SMALL = IceCacheConfig(budget=96, full_layers=0, superset_pages=12)  # selects 12 of more pages, attends 3
 
 
 def _config(kv_heads: int = 4) -> LlamaConfig:
