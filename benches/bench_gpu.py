@@ -226,7 +226,8 @@ def main(argv=None) -> int:
         nargs="+",
         default=["full", "ice", "ice3"],
         help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode (batch 1); ice: IceCache; "
-        "ice3: IceCache reuse=3; fresh: IceCache with fresh selection",
+        "ice3: IceCache reuse=3; ice-r2: IceCache refresh=2; ice-tN: IceCache with N index threads; "
+        "fresh: IceCache with fresh selection",
     )
     ap.add_argument(
         "--cprofile",
@@ -297,9 +298,13 @@ def main(argv=None) -> int:
         cache.bench_flashinfer = True
         return cache
 
-    def make_ice(reuse, lookahead=True, refresh=1):
+    def make_ice(reuse, lookahead=True, refresh=1, threads=None):
         config = IceCacheConfig(
-            budget=args.budget, reuse=reuse, threads=args.threads, lookahead=lookahead, refresh=refresh
+            budget=args.budget,
+            reuse=reuse,
+            threads=threads or args.threads,
+            lookahead=lookahead,
+            refresh=refresh,
         )
         cache = IceCache(config, model)
         model.set_attn_implementation("bench")  # IceCache's attention, with the FlashInfer baseline
@@ -347,6 +352,9 @@ def main(argv=None) -> int:
             "ice-r2": ("IceCache refresh=2", lambda: make_ice(1, refresh=2)),
             "fresh": ("IceCache fresh", lambda: make_ice(1, lookahead=False)),
         }
+        for v in args.variants:  # ice-tN: IceCache whose index uses N threads
+            if v.startswith("ice-t") and v[5:].isdigit():
+                makers[v] = (f"IceCache threads={v[5:]}", functools.partial(make_ice, 1, threads=int(v[5:])))
         if "fullfi" in args.variants and fi_error:
             makers.pop("fullfi")
             log(f"full (FlashInfer) variant skipped: {fi_error}")
