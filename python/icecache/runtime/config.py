@@ -44,14 +44,18 @@ def _index_parameter(name: str) -> Callable[[Any], Optional[str]]:
     made with it says whether it is valid (so the limits live in one place)."""
 
     def check(value: Any) -> Optional[str]:
-        if isinstance(value, bool) or (name == "promotion" and isinstance(value, str)):
-            return f"got {value!r}"
+        if isinstance(value, bool):
+            return f"must be a number, got {value!r}"
+        if name == "promotion" and isinstance(value, str):
+            return f"must be a ratio in (0, 1) or a sequence of them, got {value!r}"
         from icecache import DCIIndex
 
         try:
             DCIIndex(1, **{name: value})
         except (TypeError, ValueError, OverflowError) as exc:
-            return f"{exc} (got {value!r})"
+            # The core's message may start with the parameter's name, which ours already gives.
+            message = str(exc).removeprefix(f"{name} ")
+            return message if "got" in message else f"{message} (got {value!r})"
         return None
 
     return check
