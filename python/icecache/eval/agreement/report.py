@@ -84,7 +84,7 @@ class AgreementResult:
             f"Teacher-forced greedy agreement with the full cache ({model}): per prompt, one exact prefill; the "
             f"full cache decodes {self.new_tokens} greedy tokens; each method decodes the same {self.new_tokens} "
             f"steps fed the full cache's tokens; agreement = share of steps whose argmax equals the full cache's; "
-            f"first divergence = first such step that differs (0-based, '-' if none). Budget B = tokens in the "
+            f"first divergence = the first step whose argmax differs (0-based, '-' if none). Budget B = tokens in the "
             f"softmax per (layer, KV head, step): {self.sink} sink + {self.window} window + "
             f"{self.page_size}-token pages (IceCache: semantic pages retrieved by the runtime with its default "
             f"look-ahead; Quest: positional pages ranked by the key min/max bound, max over the group's query "
