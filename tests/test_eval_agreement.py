@@ -151,3 +151,19 @@ def test_cli_parses_agreement_options():
     args = cli.build_parser().parse_args(["eval", "agreement", "--code", "3", "--budgets", "128", "--no-plot"])
     assert (args.prose, args.code, args.tokens, args.new_tokens, args.budgets) == (2, 3, 4096, 64, [128])
     assert args.func is cli._cmd_eval_agreement and args.window == 32
+
+
+def test_smollm2_code_prompt_full_budget_is_exact_and_a_small_one_is_not():
+    """Real model and real shipped code; runs only where the SmolLM2 GGUF is already cached."""
+    pytest.importorskip("gguf")
+    from icecache import models, texts
+
+    if models.cached_gguf("smollm2") is None:
+        pytest.skip("SmolLM2 GGUF not cached (python -m icecache.models fetches it)")
+    model, tok = models.load_model("smollm2")
+    ids = texts.documents(tok, 1, 400, seed=0, kind="code")[0]
+    res = ag.evaluate_prompts(model, [ag.Prompt("code", "code", ids)], budgets=[64, 512], new_tokens=8, progress=False)
+    assert all(r.agreement == 1.0 for r in res.runs if r.budget == 512), res.to_markdown()
+    # At 64 (16 sink + 32 window + 1 page, or 48 recent tokens) of a 400-token prompt, the
+    # three methods keep different tokens: their logits, and so some argmax, must move.
+    assert min(r.agreement for r in res.runs if r.budget == 64) < 1.0, res.to_markdown()
