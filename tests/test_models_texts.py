@@ -127,6 +127,8 @@ def test_code_documents_start_at_definitions_and_keep_lines():
         for b in docs[i + 1 :]:
             assert a[500:700] not in b
     assert docs[0] != text(texts.documents(chars, 8, 3000, seed=3, kind="code")[0])
+    for d, name in zip(docs, texts.document_sources(8, seed=2, kind="code")):
+        assert d in sources[name]
     with pytest.raises(ValueError):
         texts.documents(_bytes_tok, 1, 500, kind="poetry")
 

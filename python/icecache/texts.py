@@ -38,6 +38,7 @@ __all__ = [
     "text_kind",
     "load_text",
     "documents",
+    "document_sources",
     "rebuild_from_janeaustenr",
     "rebuild_code_from_stdlib",
 ]
@@ -167,6 +168,29 @@ def _tokens_from(encode: Callable[[str], List[int]], text: str, start: int, end:
         span *= 2
 
 
+def _text_order(n_docs: int, seed: int, kind: str) -> Tuple[List[str], random.Random]:
+    """The text each of ``n_docs`` documents comes from, and the random state after choosing."""
+    if n_docs < 1:
+        raise ValueError("n_docs must be >= 1")
+    names = available_texts(kind)
+    if not names:
+        raise RuntimeError(f"no texts shipped in {_TEXT_DIR}")
+    rng = random.Random(seed)
+    order = names[:]
+    rng.shuffle(order)
+    return [order[i % len(order)] for i in range(n_docs)], rng
+
+
+def document_sources(n_docs: int, *, seed: int = 0, kind: str = "prose") -> List[str]:
+    """The name of the shipped text (:func:`available_texts`) that each document of
+    ``documents(tokenizer, n_docs, ..., seed=seed, kind=kind)`` is cut from.
+
+    Raises:
+        ValueError: ``n_docs < 1`` or an unknown ``kind``.
+    """
+    return _text_order(n_docs, seed, kind)[0]
+
+
 def documents(
     tokenizer: Any, n_docs: int, tokens_per_doc: int, *, seed: int = 0, kind: str = "prose"
 ) -> List[List[int]]:
@@ -198,18 +222,12 @@ def documents(
     """
     if n_docs < 1 or tokens_per_doc < 1:
         raise ValueError("n_docs and tokens_per_doc must be >= 1")
-    names = available_texts(kind)
-    if not names:
-        raise RuntimeError(f"no texts shipped in {_TEXT_DIR}")
-    rng = random.Random(seed)
-    order = names[:]
-    rng.shuffle(order)
+    sources, rng = _text_order(n_docs, seed, kind)
     encode = _encoder(tokenizer)
 
     per_novel: Dict[str, int] = {}
     plan = []  # (novel, index of this doc within the novel)
-    for i in range(n_docs):
-        name = order[i % len(order)]
+    for name in sources:
         plan.append((name, per_novel.get(name, 0)))
         per_novel[name] = per_novel.get(name, 0) + 1
 

@@ -209,7 +209,8 @@ def evaluate_agreement(
     for kind, n in (("prose", n_prose), ("code", n_code)):
         if n > 0:
             docs = texts.documents(tokenizer, n, n_tokens, seed=seed, kind=kind)
-            prompts += [Prompt(f"{kind}-{i}", kind, ids) for i, ids in enumerate(docs)]
+            sources = texts.document_sources(n, seed=seed, kind=kind)
+            prompts += [Prompt(f"{kind}-{i} {src}", kind, ids) for i, (ids, src) in enumerate(zip(docs, sources))]
 
     def save(res: AgreementResult) -> None:
         if out_dir is not None:
