@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_available_texts_are_long_real_novels():
-    names = texts.available_texts()
-    assert {"pride_and_prejudice", "persuasion", "northanger_abbey"} <= set(names)
+    names = texts.available_texts("prose")
+    assert {"pride_and_prejudice", "persuasion", "northanger_abbey"} == set(names)
     assert names == sorted(names)
     pp = texts.load_text("pride_and_prejudice")
     assert len(pp) > 600_000
@@ -44,6 +44,41 @@ def test_load_text_unwrap_and_unknown():
     assert "\n\n" in flat  # paragraphs survive
     with pytest.raises(KeyError):
         texts.load_text("ulysses")
+
+
+def test_code_texts_are_real_python_with_the_psf_licence():
+    code = texts.available_texts("code")
+    assert code == ["configparser", "difflib", "statistics", "tarfile"]
+    assert texts.available_texts() == sorted(code + texts.available_texts("prose"))
+    for name in code:
+        src = texts.load_text(name)
+        assert len(src) > 40_000 and texts.text_kind(name) == "code"
+        compile(src, name + ".py", "exec")  # the whole module, as CPython ships it
+        assert src.count("\ndef ") + src.count("\nclass ") > 10
+    assert "class SequenceMatcher:" in texts.load_text("difflib")
+    assert texts.text_kind("persuasion") == "prose"
+    licence = (Path(texts.__file__).parent / "_texts" / "CPYTHON_LICENSE.txt").read_text()
+    assert "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2" in licence
+    assert "2023 Python Software Foundation" in licence
+    with pytest.raises(ValueError, match="syntax"):
+        texts.load_text("difflib", unwrap=True)
+    with pytest.raises(ValueError):
+        texts.available_texts("poetry")
+    with pytest.raises(KeyError):
+        texts.text_kind("ulysses")
+
+
+def test_rebuild_code_from_stdlib_matches_shipped_modules(tmp_path):
+    """The rebuild tool writes what ships, from a directory laid out like CPython's Lib/."""
+    src = tmp_path / "lib"
+    src.mkdir()
+    (src / "LICENSE.txt").write_text("PSF licence text\n")
+    shipped = texts.load_text("statistics")
+    (src / "statistics.py").write_text(shipped, encoding="utf-8")
+    out = texts.rebuild_code_from_stdlib(src, tmp_path / "out", modules=["statistics"])
+    assert [p.name for p in out] == ["CPYTHON_LICENSE.txt", "statistics.py.gz"]
+    shipped_gz = Path(texts.__file__).parent / "_texts" / "statistics.py.gz"
+    assert out[1].read_bytes() == shipped_gz.read_bytes()  # same bytes: gzip with mtime 0
 
 
 def _bytes_tok(s):
@@ -72,6 +107,30 @@ def test_documents_do_not_overlap():
         for j, b in enumerate(docs):
             if i != j:
                 assert a[1000:1200] not in b
+
+
+def test_code_documents_start_at_definitions_and_keep_lines():
+    def chars(s):  # one id per character: the code has non-ASCII characters
+        return [ord(c) for c in s]
+
+    def text(ids):
+        return "".join(map(chr, ids))
+
+    docs = [text(d) for d in texts.documents(chars, 8, 3000, seed=2, kind="code")]
+    assert len({d[:300] for d in docs}) == 8
+    sources = {n: texts.load_text(n) for n in texts.available_texts("code")}
+    for d in docs:
+        assert d.lstrip(" ").startswith(("def ", "class ", "@", "async def ")), d[:40]
+        assert sum(d in src for src in sources.values()) == 1  # verbatim, from one module
+        assert "\n    " in d  # indentation survives: no unwrapping of code
+    for i, a in enumerate(docs):
+        for b in docs[i + 1 :]:
+            assert a[500:700] not in b
+    assert docs[0] != text(texts.documents(chars, 8, 3000, seed=3, kind="code")[0])
+    for d, name in zip(docs, texts.document_sources(8, seed=2, kind="code")):
+        assert d in sources[name]
+    with pytest.raises(ValueError):
+        texts.documents(_bytes_tok, 1, 500, kind="poetry")
 
 
 def test_documents_seed_changes_choice_and_errors():

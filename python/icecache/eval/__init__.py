@@ -3,6 +3,9 @@
 :mod:`icecache.eval.recall`: attention-mass recall of page selections (IceCache, Quest,
 StreamingLLM, an oracle) on real post-RoPE queries, keys and values of SmolLM2-135M.
 Run it from the command line with ``icecache eval recall``.
+
+:mod:`icecache.eval.agreement`: teacher-forced greedy agreement with the full cache (IceCache,
+Quest, StreamingLLM) on real prose and code prompts; ``icecache eval agreement``.
 """
 
 from icecache.eval.recall import (
