@@ -914,8 +914,9 @@ def calibrate_markdown(rows: list, k: int) -> str:
         return f"{xs.min():.3f} / {np.median(xs):.3f} / {xs.max():.3f}"
 
     lines = [
-        f"| text | sets | keys per set | held-back R@{k} auto (min / median / max) | R@{k} effort 1 (min / median / max) "
-        "| effort chosen (min / median / max) | auto µs (median of sets) | exact µs (median of sets) "
+        f"| text | sets | keys per set | held-back R@{k} auto (min / median / max) "
+        f"| R@{k} effort 1 (min / median / max) | effort chosen (min / median / max) "
+        "| auto µs (median of sets) | exact µs (median of sets) "
         "| calibration s (median) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -923,7 +924,8 @@ def calibrate_markdown(rows: list, k: int) -> str:
     for g in [*groups, "all"]:
         rs = [r for r in rows if g in ("all", r["text"])]
         lines.append(
-            f"| {g} | {len(rs)} | {int(np.median([r['n_keys'] for r in rs]))} | {spread([r['recall_auto'] for r in rs])} "
+            f"| {g} | {len(rs)} | {int(np.median([r['n_keys'] for r in rs]))} "
+            f"| {spread([r['recall_auto'] for r in rs])} "
             f"| {spread([r['recall_effort1'] for r in rs])} | {spread([r['effort'] for r in rs])} "
             f"| {np.median([r['us_auto'] for r in rs]):.0f} | {np.median([r['us_exact'] for r in rs]):.0f} "
             f"| {np.median([r['calib_s'] for r in rs]):.2f} |"

@@ -63,6 +63,9 @@ pub(super) fn apply_config(
     cfg.validate().map_err(to_py)
 }
 
+// `calibrate`'s text signature spells the default out.
+const _: () = assert!(DEFAULT_MAX_EFFORT == 64.0);
+
 /// The constructor's `effort`: a number, or `"auto"`.
 #[derive(FromPyObject)]
 enum EffortArg {
@@ -133,7 +136,10 @@ impl PyDciIndex {
 #[pymethods]
 impl PyDciIndex {
     #[new]
-    #[pyo3(signature = (dim, metric = "ip", *, num_simple = None, num_composite = None, promotion = None, seed = None, threads = None, effort = EffortArg::Number(1.0)))]
+    #[pyo3(
+        signature = (dim, metric = "ip", *, num_simple = None, num_composite = None, promotion = None, seed = None, threads = None, effort = EffortArg::Number(1.0)),
+        text_signature = "(dim, metric='ip', *, num_simple=None, num_composite=None, promotion=None, seed=None, threads=None, effort=1.0)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         #[pyo3(from_py_with = sizes::dim)] dim: usize,
@@ -241,7 +247,10 @@ impl PyDciIndex {
     }
 
     /// Sets the default effort to the smallest that reaches ``target_recall`` on ``queries``.
-    #[pyo3(signature = (queries, k, target_recall = 0.95, *, max_effort = DEFAULT_MAX_EFFORT))]
+    #[pyo3(
+        signature = (queries, k, target_recall = 0.95, *, max_effort = DEFAULT_MAX_EFFORT),
+        text_signature = "(self, queries, k, target_recall=0.95, *, max_effort=64.0)"
+    )]
     fn calibrate(
         &self,
         py: Python<'_>,
