@@ -176,3 +176,34 @@ def test_calibration_and_pending_auto_are_saved(built, tmp_path):
     assert back.awaits_calibration and back.calibration is None
     back.query(queries, 10)
     assert not back.awaits_calibration and back.calibration is not None
+
+
+def test_head_forest_calibrates_each_head_and_select_uses_it():
+    from icecache import HeadForest
+
+    rng = np.random.default_rng(4)
+    h_kv, group, n, d = 2, 2, 3000, 16
+    centres = 2 * rng.standard_normal((h_kv, 8, d)).astype(np.float32)
+    keys = (centres[:, rng.integers(0, 8, n)] + rng.standard_normal((h_kv, n, d))).astype(np.float32)
+    queries = np.repeat(keys[:, :64], group, axis=0) + 0.5 * rng.standard_normal((h_kv * group, 64, d))
+    queries = queries.astype(np.float32)  # [H_q, 64, d]: query head j reads KV head j // group
+    f = HeadForest(keys, seed=1, threads=1, effort=1.0)
+    for bad in (
+        dict(queries=queries[:3], k=50),  # 3 query heads for 2 KV heads
+        dict(queries=queries[:, :, :8], k=50),  # dim
+        dict(queries=queries[0], k=50),  # not [H_q, n, d]
+        dict(queries=queries, k=n + 1),
+        dict(queries=queries, k=50, target_recall=0.0),
+    ):
+        with pytest.raises(ValueError):
+            f.calibrate(**bad)
+        assert f.efforts == [1.0, 1.0]
+    found = f.calibrate(queries, 50)
+    assert [c.effort for c in found] == pytest.approx(f.efforts)
+    assert all(c.reached and c.queries == group * 64 and c.k == 50 for c in found)
+    for i in range(0, 64, 8):
+        step = np.ascontiguousarray(queries[:, i])
+        own, _ = f.select(step, 4)
+        for head, c in enumerate(found):
+            at, _ = f.select(step, 4, effort=c.effort)
+            np.testing.assert_array_equal(own[head], at[head])

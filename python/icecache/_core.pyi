@@ -267,9 +267,31 @@ class HeadForest:
         ``pages[h, :counts[h]]`` are KV head ``h``'s pages ranked by the group's attention mass
         (each query head's softmax with ``scale``, default ``1/sqrt(d)``, over the keys its search
         scores, summed over the group); the rest is -1. ``exact`` scores every key exactly.
-        ``successors``: the weight of each query head's ``successors`` heaviest keys also goes to
+        ``effort``: the search effort of every head; ``None``: each head's own (``efforts``, as
+        ``calibrate`` set them). ``successors``: the weight of each query head's ``successors`` heaviest keys also goes to
         the page holding the next position (for selecting a step ahead: a head that copies text
         attends one token further on at the next step)."""
+    def calibrate(
+        self,
+        queries: npt.ArrayLike,
+        k: int,
+        target_recall: float = 0.95,
+        *,
+        max_effort: float = 64.0,
+    ) -> List[Calibration]:
+        """Calibrates each KV head's own effort (``efforts``; what ``select`` uses with
+        ``effort=None``) as ``DCIIndex.calibrate`` does, on the queries of its GQA group:
+        ``queries`` is ``[H_q, n, d]`` (e.g. the last queries of the prompt at this layer; query
+        head ``j`` belongs to KV head ``j // (H_q // H_kv)``), recall@``k`` counted against the
+        head's exact scan (one scan of its keys per query). Selection scores every key of its
+        field of view, which holds that of a ``k``-query at the same effort when
+        ``max_pages * page_size >= 2 * k * max(effort, 1)`` (its pool is then at least as
+        large), so it scores at least the calibrated share of each query's true top-``k``. Returns
+        one ``Calibration`` per KV head. Every head is measured (in parallel) before any
+        changes: bad input raises ``ValueError`` and changes nothing."""
+    @property
+    def efforts(self) -> List[float]:
+        """Each KV head's own search effort (the constructor's, or as ``calibrate`` set it)."""
     def insert(
         self, keys: npt.ArrayLike, values: npt.ArrayLike, k_store: npt.ArrayLike, v_store: npt.ArrayLike
     ) -> List[npt.NDArray[np.int32]]:

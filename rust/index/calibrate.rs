@@ -161,9 +161,14 @@ impl DciIndex {
     /// nothing changes.
     pub fn calibrate(&mut self, queries: KeyData<'_>, k: usize, target: f64, max_effort: f32) -> Result<Calibration> {
         let found = self.find_effort(queries, k, target, max_effort)?;
-        self.cfg.effort = found.effort;
-        self.tuning = Tuning { auto_pending: false, last: Some(found.clone()) };
+        self.apply_calibration(found.clone());
         Ok(found)
+    }
+
+    /// Makes what `find_effort` found the default effort (and the last calibration).
+    pub(crate) fn apply_calibration(&mut self, found: Calibration) {
+        self.cfg.effort = found.effort;
+        self.tuning = Tuning { auto_pending: false, last: Some(found) };
     }
 
     /// `effort="auto"`: the next query at the default effort calibrates first (module docs).
