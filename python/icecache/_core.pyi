@@ -268,9 +268,9 @@ class HeadForest:
         (each query head's softmax with ``scale``, default ``1/sqrt(d)``, over the keys its search
         scores, summed over the group); the rest is -1. ``exact`` scores every key exactly.
         ``effort``: the search effort of every head; ``None``: each head's own (``efforts``, as
-        ``calibrate`` set them). ``successors``: the weight of each query head's ``successors`` heaviest keys also goes to
-        the page holding the next position (for selecting a step ahead: a head that copies text
-        attends one token further on at the next step)."""
+        ``calibrate`` set them). ``successors``: the weight of each query head's ``successors``
+        heaviest keys also goes to the page holding the next position (for selecting a step
+        ahead: a head that copies text attends one token further on at the next step)."""
     def calibrate(
         self,
         queries: npt.ArrayLike,
