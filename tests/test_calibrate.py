@@ -87,7 +87,7 @@ def test_auto_effort_calibrates_on_first_query_batch(smollm2_qk):
     ids, _ = idx.query(sample, K)
     cal = idx.calibration
     assert cal is not None and not idx.awaits_calibration
-    assert cal.queries == min(len(sample), 256) and cal.k == K and cal.target_recall == 0.95
+    assert cal.queries == min(len(sample), 256) and cal.k == K and cal.target_recall == 0.975
     # The first batch is answered at the calibrated effort.
     again, _ = idx.query(sample, K, effort=cal.effort)
     np.testing.assert_array_equal(ids, again)

@@ -72,8 +72,11 @@ class DCIIndex:
         threads: worker threads for bulk build and batch queries (``None``: all cores).
         effort: default query effort (see ``query``), or ``"auto"``: the first ``query`` that runs
             at the default effort (no ``effort``, not ``exact``) first calibrates it on (at most
-            256, evenly spaced, of) that call's queries, at that call's ``k``, for recall@k 0.95
-            (``calibrate``), then answers them; until then ``awaits_calibration`` is True. That
+            256, evenly spaced, of) that call's queries, at that call's ``k`` (``calibrate``),
+            then answers them; until then ``awaits_calibration`` is True. It aims at recall@k
+            0.95 for the queries that follow, so it calibrates the first batch for half that miss
+            rate (``target_recall=0.975``): later queries can be harder than the first ones
+            (measured on SmolLM2 in ``benches/RESULTS.md``). That
             first call costs an exact scan per sample query plus about ten searches of them, so
             make it a batch of real queries (a few hundred; with very few, the estimate of the
             recall is loose). The effort is calibrated once: call ``calibrate`` again after the
@@ -133,7 +136,10 @@ class DCIIndex:
         bisection to within 10%. An effort reaches the target when the sample's mean recall,
         less two standard errors of that mean, is at least ``target_recall``: other queries
         like the sample then reach it too (the mean alone would leave half of them below).
-        The result holds for this ``k`` and for queries like the sample.
+        The result holds for this ``k`` and for queries like the sample; queries unlike it can
+        fall short (on SmolLM2, queries at later positions than the sample's lost up to 0.09
+        of recall@100: ``benches/RESULTS.md``), so ask for a higher target when the queries to
+        come may differ (``effort="auto"`` does).
 
         When no effort up to ``max_effort`` reaches the target (``reached`` is False), the
         default becomes the effort with the best recall measured, and no error is raised:
