@@ -317,13 +317,13 @@ fn calibrate_sets_each_heads_effort_and_selection_uses_it() {
     }
     // Bad input changes nothing.
     let before = f.efforts();
-    assert!(f.calibrate(&q, 3, 50, 0.95, 64.0).is_err(), "3 query heads for 2 KV heads");
-    assert!(f.calibrate(&q, h * group, n + 1, 0.95, 64.0).is_err(), "k beyond the keys");
-    assert!(f.calibrate(&q, h * group, 50, 1.5, 64.0).is_err(), "target");
-    assert!(f.calibrate(&[], h * group, 50, 0.95, 64.0).is_err(), "no queries");
+    assert!(f.calibrate(&q, 3, 50, 0.95, 0.0625..=64.0).is_err(), "3 query heads for 2 KV heads");
+    assert!(f.calibrate(&q, h * group, n + 1, 0.95, 0.0625..=64.0).is_err(), "k beyond the keys");
+    assert!(f.calibrate(&q, h * group, 50, 1.5, 0.0625..=64.0).is_err(), "target");
+    assert!(f.calibrate(&[], h * group, 50, 0.95, 0.0625..=64.0).is_err(), "no queries");
     assert_eq!(f.efforts(), before);
 
-    let found = f.calibrate(&q, h * group, 50, 0.95, 64.0).unwrap();
+    let found = f.calibrate(&q, h * group, 50, 0.95, 0.0625..=64.0).unwrap();
     assert_eq!(found.len(), h);
     assert_eq!(f.efforts(), found.iter().map(|c| c.effort).collect::<Vec<_>>());
     for c in &found {

@@ -88,6 +88,7 @@ def test_auto_effort_calibrates_on_first_query_batch(smollm2_qk):
     cal = idx.calibration
     assert cal is not None and not idx.awaits_calibration
     assert cal.queries == min(len(sample), 256) and cal.k == K and cal.target_recall == 0.975
+    assert cal.effort >= 1.0  # auto never searches less than the default
     # The first batch is answered at the calibrated effort.
     again, _ = idx.query(sample, K, effort=cal.effort)
     np.testing.assert_array_equal(ids, again)
@@ -129,6 +130,8 @@ def snapshot(idx, queries):
         ((None, 10, float("nan")), {}, ValueError),
         ((None, 10), dict(max_effort=0.5), ValueError),
         ((None, 10), dict(max_effort=float("inf")), ValueError),
+        ((None, 10), dict(min_effort=0.0), ValueError),
+        ((None, 10), dict(min_effort=1.5), ValueError),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(built, args, kwargs, error):
@@ -194,6 +197,7 @@ def test_head_forest_calibrates_each_head_and_select_uses_it():
         dict(queries=queries[0], k=50),  # not [H_q, n, d]
         dict(queries=queries, k=n + 1),
         dict(queries=queries, k=50, target_recall=0.0),
+        dict(queries=queries, k=50, min_effort=2.0),
     ):
         with pytest.raises(ValueError):
             f.calibrate(**bad)

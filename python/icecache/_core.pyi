@@ -75,8 +75,9 @@ class DCIIndex:
             256, evenly spaced, of) that call's queries, at that call's ``k`` (``calibrate``),
             then answers them; until then ``awaits_calibration`` is True. It aims at recall@k
             0.95 for the queries that follow, so it calibrates the first batch for half that miss
-            rate (``target_recall=0.975``): later queries can be harder than the first ones
-            (measured on SmolLM2 in ``benches/RESULTS.md``). That
+            rate (``target_recall=0.975``), and never below effort 1 (``min_effort=1``): later
+            queries can be harder than the first ones (measured on SmolLM2 in
+            ``benches/RESULTS.md``). That
             first call costs an exact scan per sample query plus about ten searches of them, so
             make it a batch of real queries (a few hundred; with very few, the estimate of the
             recall is loose). The effort is calibrated once: call ``calibrate`` again after the
@@ -125,6 +126,7 @@ class DCIIndex:
         k: int,
         target_recall: float = 0.95,
         *,
+        min_effort: float = 0.0625,
         max_effort: float = 64.0,
     ) -> "Calibration":
         """Sets the default effort to the smallest that reaches ``target_recall`` (recall@``k``)
@@ -132,8 +134,8 @@ class DCIIndex:
 
         Each query's exact top-``k`` comes from the index's own exact scan (one scan of every
         key per query: the main cost, with about ten approximate searches of the sample).
-        Efforts are searched by halving or doubling from 1 (up to ``max_effort``), then by
-        bisection to within 10%. An effort reaches the target when the sample's mean recall,
+        Efforts are searched by halving or doubling from 1 (within ``min_effort`` ..
+        ``max_effort``, which must hold 1), then by bisection to within 10%. An effort reaches the target when the sample's mean recall,
         less two standard errors of that mean, is at least ``target_recall``: other queries
         like the sample then reach it too (the mean alone would leave half of them below).
         The result holds for this ``k`` and for queries like the sample; queries unlike it can
@@ -144,8 +146,8 @@ class DCIIndex:
         When no effort up to ``max_effort`` reaches the target (``reached`` is False), the
         default becomes the effort with the best recall measured, and no error is raised:
         check ``reached``. Bad input (shape, dtype, non-finite values, no queries, ``k``
-        outside ``1..=len``, ``target_recall`` outside (0, 1], ``max_effort`` below 1, an empty
-        index) raises ``ValueError`` and changes nothing. The result is kept
+        outside ``1..=len``, ``target_recall`` outside (0, 1], ``min_effort`` outside (0, 1],
+        ``max_effort`` below 1, an empty index) raises ``ValueError`` and changes nothing. The result is kept
         (``calibration``) and saved with the index.
         """
     @property
@@ -283,6 +285,7 @@ class HeadForest:
         k: int,
         target_recall: float = 0.95,
         *,
+        min_effort: float = 0.0625,
         max_effort: float = 64.0,
     ) -> List[Calibration]:
         """Calibrates each KV head's own effort (``efforts``; what ``select`` uses with

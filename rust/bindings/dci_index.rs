@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 
 use super::arrays::{extract_ids, matrix, Keys, NdArray1, NdArray2};
 use super::guard::{entry, on_pool, run, sizes, to_py, Shared};
-use crate::index::{Calibration, Config, DciIndex, Metric, DEFAULT_MAX_EFFORT};
+use crate::index::{Calibration, Config, DciIndex, Metric, DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
 
 /// Approximate nearest-neighbour index over a multi-level Dynamic Continuous Indexing tree.
 /// See ``icecache/_core.pyi`` for the full documentation.
@@ -64,7 +64,7 @@ pub(super) fn apply_config(
 }
 
 // `calibrate`'s text signature spells the default out.
-const _: () = assert!(DEFAULT_MAX_EFFORT == 64.0);
+const _: () = assert!(DEFAULT_MIN_EFFORT == 0.0625 && DEFAULT_MAX_EFFORT == 64.0);
 
 /// The constructor's `effort`: a number, or `"auto"`.
 #[derive(FromPyObject)]
@@ -248,8 +248,8 @@ impl PyDciIndex {
 
     /// Sets the default effort to the smallest that reaches ``target_recall`` on ``queries``.
     #[pyo3(
-        signature = (queries, k, target_recall = 0.95, *, max_effort = DEFAULT_MAX_EFFORT),
-        text_signature = "(self, queries, k, target_recall=0.95, *, max_effort=64.0)"
+        signature = (queries, k, target_recall = 0.95, *, min_effort = DEFAULT_MIN_EFFORT, max_effort = DEFAULT_MAX_EFFORT),
+        text_signature = "(self, queries, k, target_recall=0.95, *, min_effort=0.0625, max_effort=64.0)"
     )]
     fn calibrate(
         &self,
@@ -257,15 +257,16 @@ impl PyDciIndex {
         queries: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = sizes::k)] k: usize,
         target_recall: f64,
+        min_effort: f32,
         max_effort: f32,
     ) -> PyResult<PyCalibration> {
         entry(|| {
             let (queries, _) = Keys::extract(queries, "queries", self.dim)?;
             let data = queries.data()?;
             let pool = self.pool();
-            let found = self
-                .inner
-                .update(py, |idx| on_pool(pool, true, || idx.calibrate(data, k, target_recall, max_effort)))?;
+            let found = self.inner.update(py, |idx| {
+                on_pool(pool, true, || idx.calibrate(data, k, target_recall, min_effort..=max_effort))
+            })?;
             Ok(found.into())
         })
     }

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use super::arrays::{check_shape, matrix, ro, rw, to_i32, with_elem, Keys, NdArray1, NdArray2};
 use super::dci_index::{apply_config, make_pool, PyCalibration};
 use super::guard::{entry, on_pool, release, run, sizes, Shared};
-use crate::index::DEFAULT_MAX_EFFORT;
+use crate::index::{DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
 use crate::pages::HeadForest;
 use crate::select::SelectParams;
 
@@ -205,8 +205,8 @@ impl PyHeadForest {
 
     /// Calibrates each head's default effort on its GQA group's queries ``[H_q, n, d]``.
     #[pyo3(
-        signature = (queries, k, target_recall = 0.95, *, max_effort = DEFAULT_MAX_EFFORT),
-        text_signature = "(self, queries, k, target_recall=0.95, *, max_effort=64.0)"
+        signature = (queries, k, target_recall = 0.95, *, min_effort = DEFAULT_MIN_EFFORT, max_effort = DEFAULT_MAX_EFFORT),
+        text_signature = "(self, queries, k, target_recall=0.95, *, min_effort=0.0625, max_effort=64.0)"
     )]
     fn calibrate(
         &self,
@@ -214,15 +214,16 @@ impl PyHeadForest {
         queries: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = sizes::k)] k: usize,
         target_recall: f64,
+        min_effort: f32,
         max_effort: f32,
     ) -> PyResult<Vec<PyCalibration>> {
         entry(|| {
             let (q, shape) = Keys::extract_nd(queries, "queries", self.dim, 3)?;
             let q = q.data()?.to_f32_vec();
             let pool = self.pool();
-            let found = self
-                .inner
-                .update(py, |f| on_pool(pool, true, || f.calibrate(&q, shape[0], k, target_recall, max_effort)))?;
+            let found = self.inner.update(py, |f| {
+                on_pool(pool, true, || f.calibrate(&q, shape[0], k, target_recall, min_effort..=max_effort))
+            })?;
             Ok(found.into_iter().map(PyCalibration::from).collect())
         })
     }

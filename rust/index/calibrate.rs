@@ -15,6 +15,7 @@
 //! `AUTO_TARGET` (stricter than the 0.95 it aims at for later queries), then answers them. What is pending and the last calibration are saved with
 //! the index (`Tuning`).
 
+use std::ops::RangeInclusive;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -23,9 +24,10 @@ use super::DciIndex;
 use crate::error::{ensure, Result};
 use crate::input::{check_rows, KeyData};
 
-/// The search starts here (the tuned default) and halves down to `MIN_EFFORT` at most.
+/// The search starts here (the tuned default), then halves or doubles within the range given.
 const START_EFFORT: f32 = 1.0;
-const MIN_EFFORT: f32 = 1.0 / 16.0;
+/// Smallest effort tried by default.
+pub const DEFAULT_MIN_EFFORT: f32 = 1.0 / 16.0;
 /// Bisection stops when the bracket's ends are within this ratio of each other.
 const RESOLUTION: f32 = 1.1;
 /// Standard errors of the mean recall subtracted before comparing with the target.
@@ -39,6 +41,10 @@ pub const DEFAULT_MAX_EFFORT: f32 = 64.0;
 /// than the first ones (on SmolLM2, queries at later positions than the sample's lost up to
 /// 0.09 of recall@100 at the effort that gave the sample 0.95; benches/RESULTS.md).
 pub const AUTO_TARGET: f64 = 0.975;
+/// Smallest effort of `effort="auto"`: the tuned default. Below it, the first batch's evidence
+/// alone decided to search less, and later queries can be harder (on SmolLM2, the only sets
+/// that fell short of 0.95 were those `effort="auto"` had taken below 1; benches/RESULTS.md).
+pub const AUTO_MIN_EFFORT: f32 = 1.0;
 /// Most queries of the first batch an `effort="auto"` calibration uses (evenly spaced).
 pub const AUTO_SAMPLE: usize = 256;
 
@@ -76,7 +82,15 @@ pub struct Calibration {
 impl DciIndex {
     /// Measures the smallest effort that reaches `target` recall@`k` on `queries` (see the
     /// module docs) without changing the index.
-    pub fn find_effort(&self, queries: KeyData<'_>, k: usize, target: f64, max_effort: f32) -> Result<Calibration> {
+    /// Efforts are searched within `efforts` (which must hold 1).
+    pub fn find_effort(
+        &self,
+        queries: KeyData<'_>,
+        k: usize,
+        target: f64,
+        efforts: RangeInclusive<f32>,
+    ) -> Result<Calibration> {
+        let (min_effort, max_effort) = (*efforts.start(), *efforts.end());
         let t0 = Instant::now();
         let queries = queries.to_f32_vec();
         let nq = check_rows(&queries, self.cfg.dim, "queries")?;
@@ -88,6 +102,10 @@ impl DciIndex {
         ensure!(
             max_effort.is_finite() && max_effort >= START_EFFORT,
             "max_effort must be a finite number of at least {START_EFFORT}, got {max_effort}"
+        );
+        ensure!(
+            min_effort > 0.0 && min_effort <= START_EFFORT,
+            "min_effort must be in (0, {START_EFFORT}], got {min_effort}"
         );
         let queries = self.shift_rows(queries);
         let (exact, _) = self.query_batch(&queries, nq, k, 1.0, true)?;
@@ -107,8 +125,8 @@ impl DciIndex {
         let mut e = START_EFFORT;
         if measure(e)?.2 {
             hi = Some(e);
-            while e > MIN_EFFORT {
-                e = (e / 2.0).max(MIN_EFFORT);
+            while e > min_effort {
+                e = (e / 2.0).max(min_effort);
                 if measure(e)?.2 {
                     hi = Some(e);
                 } else {
@@ -162,8 +180,14 @@ impl DciIndex {
     /// `find_effort`, then makes the effort found the default of later queries (also when the
     /// target was not reached: it is then the effort with the best recall tried). On error
     /// nothing changes.
-    pub fn calibrate(&mut self, queries: KeyData<'_>, k: usize, target: f64, max_effort: f32) -> Result<Calibration> {
-        let found = self.find_effort(queries, k, target, max_effort)?;
+    pub fn calibrate(
+        &mut self,
+        queries: KeyData<'_>,
+        k: usize,
+        target: f64,
+        efforts: RangeInclusive<f32>,
+    ) -> Result<Calibration> {
+        let found = self.find_effort(queries, k, target, efforts)?;
         self.apply_calibration(found.clone());
         Ok(found)
     }
@@ -190,7 +214,8 @@ impl DciIndex {
     }
 
     /// `query` at the default effort, calibrating first when `effort="auto"` awaits it: on at
-    /// most `AUTO_SAMPLE` of `queries` (evenly spaced), at this `k`, for `AUTO_TARGET`. All
+    /// most `AUTO_SAMPLE` of `queries` (evenly spaced), at this `k`, for `AUTO_TARGET`, at
+    /// efforts from `AUTO_MIN_EFFORT`. All
     /// of `queries` is validated before anything changes.
     pub fn query_auto(&mut self, queries: KeyData<'_>, k: usize) -> Result<(Vec<i64>, Vec<f32>)> {
         if self.tuning.auto_pending {
@@ -204,7 +229,7 @@ impl DciIndex {
                     rows[r * d..(r + 1) * d].iter().copied()
                 })
                 .collect();
-            self.calibrate(KeyData::F32(&sample), k, AUTO_TARGET, DEFAULT_MAX_EFFORT)?;
+            self.calibrate(KeyData::F32(&sample), k, AUTO_TARGET, AUTO_MIN_EFFORT..=DEFAULT_MAX_EFFORT)?;
             return self.query(KeyData::F32(&rows), k, None, false);
         }
         self.query(queries, k, None, false)
@@ -234,6 +259,8 @@ mod tests {
     use crate::index::{Config, Metric};
     use rand::{Rng, SeedableRng};
     use rand_xoshiro::Xoshiro256PlusPlus;
+
+    const FULL: RangeInclusive<f32> = DEFAULT_MIN_EFFORT..=DEFAULT_MAX_EFFORT;
 
     /// Clustered keys (where effort matters) and queries near them.
     fn data(n: usize, nq: usize, dim: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
@@ -279,13 +306,13 @@ mod tests {
         let mut idx = index(&keys, dim);
         let (sample, held) = queries.split_at(200 * dim);
         for target in [0.8, 0.95, 0.99] {
-            let c = idx.calibrate(KeyData::F32(sample), 50, target, DEFAULT_MAX_EFFORT).unwrap();
+            let c = idx.calibrate(KeyData::F32(sample), 50, target, FULL).unwrap();
             assert!(c.reached, "{c:?}");
             assert_eq!(idx.config().effort, c.effort);
             assert!(c.recall - 2.0 * c.recall_stderr >= target - 1e-9, "{c:?}");
             let held_recall = recall_at(&idx, held, 50, c.effort);
             assert!(held_recall >= target - 0.01, "target {target}: held-back recall {held_recall}, {c:?}");
-            let again = idx.find_effort(KeyData::F32(sample), 50, target, DEFAULT_MAX_EFFORT).unwrap();
+            let again = idx.find_effort(KeyData::F32(sample), 50, target, FULL).unwrap();
             assert_eq!(again.effort, c.effort, "calibration is deterministic");
         }
     }
@@ -296,14 +323,19 @@ mod tests {
         let (keys, queries) = data(3000, 20, dim, 2);
         let mut idx = index(&keys, dim);
         // At max_effort 1 only effort 1 is tried: target 1.0 is out of reach on this data.
-        let c = idx.calibrate(KeyData::F32(&queries), 200, 1.0, 1.0).unwrap();
+        let c = idx.calibrate(KeyData::F32(&queries), 200, 1.0, 1.0..=1.0).unwrap();
         if !c.reached {
             assert_eq!(c.effort, 1.0);
             assert_eq!(c.evaluations, 1);
             assert!(c.recall < 1.0);
         }
+        // The range bounds the search: an easy target at efforts from 1 stops at 1.
+        let c = idx.calibrate(KeyData::F32(&queries), 10, 0.1, 1.0..=64.0).unwrap();
+        assert!(c.reached && c.effort == 1.0 && c.evaluations == 1, "{c:?}");
+        let c = idx.calibrate(KeyData::F32(&queries), 10, 0.1, FULL).unwrap();
+        assert!(c.reached && c.effort == DEFAULT_MIN_EFFORT, "{c:?}");
         // Target 1.0 is reachable with enough effort (every key is re-ranked exactly).
-        let c = idx.calibrate(KeyData::F32(&queries), 200, 1.0, DEFAULT_MAX_EFFORT).unwrap();
+        let c = idx.calibrate(KeyData::F32(&queries), 200, 1.0, FULL).unwrap();
         assert!(c.reached && c.recall == 1.0, "{c:?}");
     }
 
@@ -312,20 +344,22 @@ mod tests {
         let dim = 8;
         let (keys, queries) = data(500, 10, dim, 3);
         let mut empty = DciIndex::new(Config::new(dim, Metric::InnerProduct)).unwrap();
-        assert!(empty.calibrate(KeyData::F32(&queries), 5, 0.9, 64.0).is_err());
+        assert!(empty.calibrate(KeyData::F32(&queries), 5, 0.9, FULL).is_err());
         let mut idx = index(&keys, dim);
         let q = KeyData::F32(&queries);
         let bad = [
-            idx.calibrate(KeyData::F32(&queries[..dim + 1]), 5, 0.9, 64.0),
-            idx.calibrate(KeyData::F32(&[]), 5, 0.9, 64.0),
-            idx.calibrate(KeyData::F32(&[f32::NAN; 8]), 5, 0.9, 64.0),
-            idx.calibrate(q, 0, 0.9, 64.0),
-            idx.calibrate(q, 501, 0.9, 64.0),
-            idx.calibrate(q, 5, 0.0, 64.0),
-            idx.calibrate(q, 5, 1.01, 64.0),
-            idx.calibrate(q, 5, f64::NAN, 64.0),
-            idx.calibrate(q, 5, 0.9, 0.5),
-            idx.calibrate(q, 5, 0.9, f32::INFINITY),
+            idx.calibrate(KeyData::F32(&queries[..dim + 1]), 5, 0.9, FULL),
+            idx.calibrate(KeyData::F32(&[]), 5, 0.9, FULL),
+            idx.calibrate(KeyData::F32(&[f32::NAN; 8]), 5, 0.9, FULL),
+            idx.calibrate(q, 0, 0.9, FULL),
+            idx.calibrate(q, 501, 0.9, FULL),
+            idx.calibrate(q, 5, 0.0, FULL),
+            idx.calibrate(q, 5, 1.01, FULL),
+            idx.calibrate(q, 5, f64::NAN, FULL),
+            idx.calibrate(q, 5, 0.9, DEFAULT_MIN_EFFORT..=0.5),
+            idx.calibrate(q, 5, 0.9, DEFAULT_MIN_EFFORT..=f32::INFINITY),
+            idx.calibrate(q, 5, 0.9, 0.0..=64.0),
+            idx.calibrate(q, 5, 0.9, 2.0..=64.0),
         ];
         for r in bad {
             assert!(matches!(r, Err(crate::Error::Invalid(_))), "{r:?}");

@@ -44,7 +44,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{ensure, Error, Result};
 use crate::input::{check_rows, KeyData};
 use calibrate::Tuning;
-pub use calibrate::{Calibration, AUTO_SAMPLE, AUTO_TARGET, DEFAULT_MAX_EFFORT};
+pub use calibrate::{Calibration, AUTO_MIN_EFFORT, AUTO_SAMPLE, AUTO_TARGET, DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
 use cells::{Tier, NONE};
 pub use search::Scratch;
 

@@ -271,7 +271,7 @@ mod tests {
     fn tuning_round_trips_and_format_1_still_loads() {
         let mut idx = index();
         let queries: Vec<f32> = (0..40).map(|i| ((i * 13 % 29) as f32 / 14.0) - 1.0).collect();
-        let c = idx.calibrate(KeyData::F32(&queries), 5, 0.9, 64.0).unwrap();
+        let c = idx.calibrate(KeyData::F32(&queries), 5, 0.9, 0.0625..=64.0).unwrap();
         let mut pending = index();
         pending.set_auto_effort();
         for (idx, effort) in [(&idx, c.effort), (&pending, 1.0)] {

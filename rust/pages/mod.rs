@@ -8,6 +8,7 @@
 mod split;
 
 use std::collections::HashMap;
+use std::ops::RangeInclusive;
 
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -147,7 +148,7 @@ impl HeadForest {
         q_heads: usize,
         k: usize,
         target: f64,
-        max_effort: f32,
+        efforts: RangeInclusive<f32>,
     ) -> Result<Vec<Calibration>> {
         let h = self.heads.len();
         let rows = check_rows(queries, self.dim, "queries")?;
@@ -158,7 +159,7 @@ impl HeadForest {
             .heads
             .par_iter()
             .zip(queries.par_chunks_exact(rows / h * self.dim))
-            .map(|(hp, q)| hp.index.find_effort(KeyData::F32(q), k, target, max_effort))
+            .map(|(hp, q)| hp.index.find_effort(KeyData::F32(q), k, target, efforts.clone()))
             .collect::<Result<Vec<_>>>()?;
         for (hp, c) in self.heads.iter_mut().zip(&found) {
             hp.index.apply_calibration(c.clone());
