@@ -135,9 +135,10 @@ class DCIIndex:
         Each query's exact top-``k`` comes from the index's own exact scan (one scan of every
         key per query: the main cost, with about ten approximate searches of the sample).
         Efforts are searched by halving or doubling from 1 (within ``min_effort`` ..
-        ``max_effort``, which must hold 1), then by bisection to within 10%. An effort reaches the target when the sample's mean recall,
-        less two standard errors of that mean, is at least ``target_recall``: other queries
-        like the sample then reach it too (the mean alone would leave half of them below).
+        ``max_effort``, which must hold 1), then by bisection to within 10%. An effort reaches
+        the target when the sample's mean recall, less two standard errors of that mean, is at
+        least ``target_recall``: other queries like the sample then reach it too (the mean
+        alone would leave half of them below).
         The result holds for this ``k`` and for queries like the sample; queries unlike it can
         fall short (on SmolLM2, queries at later positions than the sample's lost up to 0.09
         of recall@100: ``benches/RESULTS.md``), so ask for a higher target when the queries to
