@@ -949,6 +949,21 @@ def calibrate_markdown(rows: list, k: int) -> str:
             f"| {np.median([r['us_exact'] for r in rs]):.0f} / {np.median([r['us_numpy'] for r in rs]):.0f} "
             f"| {np.median([r['calib_s'] for r in rs]):.2f} |"
         )
+    # Every set: the effort chosen and the held-back recall it gave.
+    sets = sorted({(r["text"], r["kv_head"]) for r in rows})
+    by = {(r["text"], r["kv_head"], r["layer"]): r for r in rows}
+    lines += [
+        "",
+        "| layer | " + " | ".join(f"{t} h{h}" for t, h in sets) + " |",
+        "|---|" + "---|" * len(sets),
+    ]
+    for layer in sorted({r["layer"] for r in rows}):
+        cells = [by.get((t, h, layer)) for t, h in sets]
+        lines.append(
+            f"| {layer} | "
+            + " | ".join("" if r is None else f"{r['effort']:.2f}: {r['recall_auto']:.3f}" for r in cells)
+            + " |"
+        )
     worst = sorted(rows, key=lambda r: r["recall_auto"])[:5]
     lines += [
         "",
@@ -960,14 +975,20 @@ def calibrate_markdown(rows: list, k: int) -> str:
         "",
     ]
     below = [r for r in rows if r["recall_auto"] < RECALL_TARGET]
-    ratio = float(np.median([r["us_auto"] for r in rows]) / np.median([r["us_exact"] for r in rows]))
+    # Against the faster of the two single-threaded exact scans (NumPy's, on these sets).
+    auto = np.median([r["us_auto"] for r in rows])
+    exact = min(np.median([r["us_exact"] for r in rows]), np.median([r["us_numpy"] for r in rows]))
+    ratio = float(auto / exact)
+    per_set = np.median([r["us_auto"] / min(r["us_exact"], r["us_numpy"]) for r in rows])
     lines.append(
         f"- target: held-back recall@{k} >= {RECALL_TARGET} on every set: "
         + ("**met**" if not below else f"**missed** on {len(below)} of {len(rows)} sets")
     )
     lines.append(
-        f"- target: median auto latency <= 1/4 of the exact scan's: {ratio:.3f} "
+        f"- target: median auto latency <= 1/4 of the faster exact scan's: {auto:.0f} / {exact:.0f} µs = "
+        f"{ratio:.3f} "
         + ("**met**" if ratio <= 0.25 else "**missed**")
+        + f" (median of the per-set ratios: {per_set:.3f})"
     )
     return "\n".join(lines)
 
