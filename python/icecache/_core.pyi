@@ -140,8 +140,8 @@ class DCIIndex:
         least ``target_recall``: other queries like the sample then reach it too (the mean
         alone would leave half of them below).
         The result holds for this ``k`` and for queries like the sample; queries unlike it can
-        fall short (on SmolLM2, queries at later positions than the sample's lost up to 0.09
-        of recall@100: ``benches/RESULTS.md``), so ask for a higher target when the queries to
+        fall short (on SmolLM2, queries at later positions than the sample's had up to 0.10 less
+        recall@100: ``benches/RESULTS.md``), so ask for a higher target when the queries to
         come may differ (``effort="auto"`` does).
 
         When no effort up to ``max_effort`` reaches the target (``reached`` is False), the

@@ -38,8 +38,8 @@ pub const DEFAULT_MAX_EFFORT: f32 = 64.0;
 
 /// Sample target of `effort="auto"`, which aims at recall 0.95 on the queries that follow its
 /// first batch: it allows the sample half that miss rate, because later queries can be harder
-/// than the first ones (on SmolLM2, queries at later positions than the sample's lost up to
-/// 0.09 of recall@100 at the effort that gave the sample 0.95; benches/RESULTS.md).
+/// than the first ones (on SmolLM2, queries at later positions than the sample's had up to 0.10
+/// less recall@100 than the sample at the effort calibrated for 0.95; benches/RESULTS.md).
 pub const AUTO_TARGET: f64 = 0.975;
 /// Smallest effort of `effort="auto"`: the tuned default. Below it, the first batch's evidence
 /// alone decided to search less, and later queries can be harder (on SmolLM2, the only sets
