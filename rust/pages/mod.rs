@@ -152,8 +152,11 @@ impl HeadForest {
     ) -> Result<Vec<Calibration>> {
         let h = self.heads.len();
         let rows = check_rows(queries, self.dim, "queries")?;
-        ensure!(q_heads >= h && q_heads % h == 0, "queries: {q_heads} query heads are not a multiple of {h} KV heads");
-        ensure!(rows % q_heads == 0 && rows > 0, "queries must be [{q_heads}, n, {}] with n >= 1", self.dim);
+        ensure!(
+            q_heads >= h && q_heads.is_multiple_of(h),
+            "queries: {q_heads} query heads are not a multiple of {h} KV heads"
+        );
+        ensure!(rows.is_multiple_of(q_heads) && rows > 0, "queries must be [{q_heads}, n, {}] with n >= 1", self.dim);
         // A KV head's group of query heads is contiguous in `[q_heads, n, d]`.
         let found = self
             .heads
