@@ -2,8 +2,8 @@
 //! recall@k on sample queries, measured against the index's own exact scan.
 //!
 //! How much of the tree a query must look at to find its true top-k depends on the keys and
-//! queries (on real attention keys, effort 1 gives recall@100 from 0.87 to 0.99 depending on
-//! the layer and head). Like hnswlib's `ef` or faiss's parameter-space tuning, `calibrate`
+//! queries (on SmolLM2's keys, effort 1 gives recall@100 from 0.77 to 1.0 depending on the
+//! layer and head; benches/RESULTS.md). Like hnswlib's `ef` or faiss's parameter-space tuning, `calibrate`
 //! measures instead of guessing: it scans every key once per sample query for the exact
 //! top-k, then searches efforts (halving or doubling from 1, then bisection in log space) for
 //! the smallest one whose recall on the sample, less two standard errors of its mean, reaches
@@ -12,8 +12,9 @@
 //!
 //! `effort="auto"` (`DciIndex::set_auto_effort`) defers this to the first query that runs at
 //! the default effort: it calibrates on (a sample of) that call's queries, at its `k`, for
-//! `AUTO_TARGET` (stricter than the 0.95 it aims at for later queries), then answers them. What is pending and the last calibration are saved with
-//! the index (`Tuning`).
+//! `AUTO_TARGET` (stricter than the 0.95 it aims at for later queries) and at efforts from
+//! `AUTO_MIN_EFFORT`, then answers them. What is pending and the last calibration are saved
+//! with the index (`Tuning`).
 
 use std::ops::RangeInclusive;
 use std::time::Instant;
