@@ -30,6 +30,17 @@ effort 1 (interpolated over their efforts) and their latency at the same effort.
 dimension 64 (made in memory):
 
     python benches/bench_index.py --growth --data all --out benches/out/
+
+``--calibrate`` measures ``effort="auto"`` instead: for every (layer, KV head) of SmolLM2 layers
+``--calib-layers`` it builds an index of that head's keys over several documents (one kind of
+text at a time: Jane Austen prose, and IceCache's own Rust and Python sources as code), lets
+the first query batch (queries at the earlier half of the query positions) calibrate it for
+recall@k 0.95, and measures recall@k and single-query latency on the held-back queries (the
+later half of the positions), against single-threaded exact scans (the index's own and NumPy's;
+the latency target compares with the faster). The captures are
+cached in ``~/.cache/icecache/bench/calib_*.npz`` (one forward pass per document):
+
+    python benches/bench_index.py --calibrate --out benches/out/
 """
 
 from __future__ import annotations
@@ -627,6 +638,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", choices=["smollm2", "synthetic", *GENERATED, "all"], default="all")
     ap.add_argument("--growth", action="store_true", help="grown indexes against a bulk build (module docs)")
+    ap.add_argument("--calibrate", action="store_true", help='effort="auto" on every (layer, KV head) (module docs)')
+    ap.add_argument("--calib-docs", default="prose:4,code:2", help="kinds of text and documents of each")
+    ap.add_argument("--calib-tokens", type=int, default=7200, help="tokens per document")
+    ap.add_argument("--calib-positions", type=int, default=64, help="query positions per document")
+    ap.add_argument("--calib-layers", default="2-29", help="first-last layer")
     ap.add_argument("--growth-batch", type=int, default=1000, help="keys per add of the batch-grown index")
     ap.add_argument("--growth-efforts", type=parse_floats, default=[0.5, 0.75, 1.0, 1.5, 2.0, 3.0])
     ap.add_argument("--growth-rounds", type=int, default=3, help="timing rounds (each index keeps its fastest)")
@@ -650,6 +666,8 @@ def main(argv=None):
         sys.exit(f"error: cannot import icecache ({e}); build it first (maturin develop --release)")
     if args.growth:
         return growth_main(args, argv)
+    if args.calibrate:
+        return calibrate_main(args, argv)
     if not skip >= {"hnsw-ip", "hnsw-l2"}:
         try:
             import hnswlib  # noqa: F401
@@ -738,6 +756,241 @@ def main(argv=None):
     jpath.write_text(json.dumps(dict(meta=meta, rows=rows, targets=tgt), indent=2, default=str) + "\n")
     (args.out / f"bench_index-{args.data}-{stamp}.md").write_text(md)
     log(f"wrote {jpath}")
+
+
+# ----------------------------------------------------------------------------------------------
+# --calibrate: effort="auto" on every (layer, KV head)
+# ----------------------------------------------------------------------------------------------
+
+
+def code_text() -> tuple[str, list[str]]:
+    """IceCache's own Rust and Python sources, concatenated in path order (the code documents)."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted([*root.glob("rust/**/*.rs"), *root.glob("python/icecache/**/*.py")])
+    return "\n\n".join(f.read_text() for f in files), [str(f.relative_to(root)) for f in files]
+
+
+def code_documents(tok, n_docs: int, tokens: int) -> list[list[int]]:
+    """``n_docs`` documents of ``tokens`` tokens from disjoint equal slices of :func:`code_text`."""
+    text, _ = code_text()
+    ids = tok.encode(text)
+    if len(ids) < n_docs * tokens:
+        sys.exit(f"error: the sources give {len(ids)} tokens, fewer than {n_docs} x {tokens}")
+    step = len(ids) // n_docs
+    return [ids[i * step : i * step + tokens] for i in range(n_docs)]
+
+
+def calib_capture(kind: str, n_docs: int, tokens: int, n_pos: int, layers: list[int], seed: int) -> dict:
+    """Keys of ``layers`` (every KV head, sink left out) and queries at ``n_pos`` positions spread
+    over the last quarter of each document; cached in ``DATA_DIR``."""
+    path = DATA_DIR / f"calib_{kind}_{n_docs}x{tokens}_q{n_pos}_s{seed}.npz"
+    if path.exists():
+        with np.load(path, allow_pickle=False) as z:
+            have = [int(x) for x in z["layers"]]
+            if set(layers) <= set(have):  # a capture of more layers serves a subset
+                rows = [have.index(layer) for layer in layers]
+                return dict(
+                    keys=z["keys"][rows],
+                    queries=z["queries"][rows],
+                    positions=z["positions"],
+                    layers=np.asarray(layers),
+                )
+    import torch
+    from icecache.capture import capture_qkv
+    from icecache.models import load_model
+    from icecache.texts import documents
+
+    torch.set_num_threads(os.cpu_count() or 1)  # the capture is not what is timed
+    model, tok = load_model("smollm2", dtype=torch.float32)
+    docs = documents(tok, n_docs, tokens, seed=seed) if kind == "prose" else code_documents(tok, n_docs, tokens)
+    pos = np.unique(np.linspace(tokens - tokens // 4, tokens - 1, n_pos).round().astype(np.int64))
+    keys, queries = [], []
+    for ids in tqdm(docs, desc=f"capture {kind}", file=sys.stderr):
+        data = capture_qkv(model, ids, layers=layers)
+        keys.append(np.stack([data[layer][1][:, 1:] for layer in layers]).astype(np.float16))
+        queries.append(np.stack([data[layer][0][:, pos] for layer in layers]))
+    out = dict(
+        keys=np.concatenate(keys, axis=2),  # [L, H_kv, n_docs * (T - 1), D]
+        queries=np.stack(queries, axis=2),  # [L, H_q, n_docs, n_pos, D]
+        positions=pos,
+        layers=np.asarray(layers),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
+    np.savez(tmp, **out)
+    os.replace(tmp, path)
+    return out
+
+
+def bench_calibrated_set(keys, sample, held, k, seed) -> dict:
+    """One (layer, KV head): ``effort="auto"`` calibrated by the ``sample`` batch, measured on
+    ``held`` (recall@k, single-query latency) against the exact scan and effort 1."""
+    import icecache
+
+    idx = icecache.DCIIndex(keys.shape[1], "ip", threads=1, seed=seed, effort="auto")
+    idx.add(keys)
+    idx.query(sample, k)  # the first query batch calibrates
+    cal = idx.calibration
+    assert cal is not None and not idx.awaits_calibration
+    truth = exact_topk_ip(keys, held, k)
+
+    def numpy_exact(q):
+        s = keys @ q[0]
+        top = np.argpartition(s, len(s) - k)[-k:]
+        return top[np.argsort(-s[top])]
+
+    # Interleaved single-query timing: each method on each query in turn.
+    fns = {
+        "auto": lambda q: idx.query(q, k),
+        "exact": lambda q: idx.query(q, k, exact=True),
+        "numpy": numpy_exact,
+        "effort1": lambda q: idx.query(q, k, effort=1.0),
+    }
+    lat: dict[str, list[float]] = {m: [] for m in fns}
+    pc = time.perf_counter_ns
+    for f in fns.values():
+        f(held[:1])  # warm up
+    for i in range(len(held)):
+        q = held[i : i + 1]
+        for m, f in fns.items():
+            t0 = pc()
+            f(q)
+            lat[m].append((pc() - t0) / 1e3)
+    found_auto, _ = idx.query(held, k)
+    found_1, _ = idx.query(held, k, effort=1.0)
+    return dict(
+        effort=cal.effort,
+        calib_recall=cal.recall,
+        calib_stderr=cal.recall_stderr,
+        reached=cal.reached,
+        calib_s=cal.seconds,
+        calib_evaluations=cal.evaluations,
+        recall_auto=recall_at(found_auto, truth, k),
+        recall_effort1=recall_at(found_1, truth, k),
+        us_auto=float(np.median(lat["auto"])),
+        us_exact=float(np.median(lat["exact"])),
+        us_numpy=float(np.median(lat["numpy"])),
+        us_effort1=float(np.median(lat["effort1"])),
+    )
+
+
+def calibrate_main(args, argv) -> None:
+    """``--calibrate``: effort="auto" on every (layer, KV head) of SmolLM2 (see the module docs)."""
+    lo, hi = (int(x) for x in args.calib_layers.split("-"))
+    layers = list(range(lo, hi + 1))
+    kinds = [(kind, int(n)) for kind, n in (part.split(":") for part in args.calib_docs.split(","))]
+    rows = []
+    for kind, n_docs in kinds:
+        data = calib_capture(kind, n_docs, args.calib_tokens, args.calib_positions, layers, args.seed)
+        keys_all, q_all = data["keys"], data["queries"]  # [L, H_kv, n, D], [L, H_q, docs, P, D]
+        n_kv, n_q, n_pos = keys_all.shape[1], q_all.shape[1], q_all.shape[3]
+        group = n_q // n_kv
+        half = n_pos // 2
+        for li, layer in enumerate(tqdm(layers, desc=f"{kind} layers", file=sys.stderr)):
+            for h in range(n_kv):
+                keys = np.ascontiguousarray(keys_all[li, h], dtype=np.float32)
+                q = q_all[li, h * group : (h + 1) * group]  # [group, docs, P, D]
+                # Earlier positions calibrate; later ones (every document, every query head) are held back.
+                sample = np.ascontiguousarray(q[:, :, :half].reshape(-1, q.shape[-1]))
+                held = np.ascontiguousarray(q[:, :, half:].reshape(-1, q.shape[-1]))
+                r = bench_calibrated_set(keys, sample, held, args.k, args.seed)
+                r.update(text=kind, layer=layer, kv_head=h, n_keys=len(keys), n_sample=len(sample), n_held=len(held))
+                rows.append(r)
+                log(
+                    f"  {kind} L{layer} h{h}: effort {r['effort']:.2f}, held R@{args.k} {r['recall_auto']:.3f} "
+                    f"(effort 1: {r['recall_effort1']:.3f}), {r['us_auto']:.0f} µs vs exact {r['us_exact']:.0f} µs "
+                    f"(NumPy {r['us_numpy']:.0f} µs)"
+                )
+    m, v = machine_info(), versions()
+    command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
+    md = "\n".join(
+        [
+            f'## DCIIndex effort="auto" on every (layer, KV head) of SmolLM2 layers {lo}-{hi} (single thread)',
+            "",
+            f"- machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['platform']}",
+            f"- versions: python {v['python']}, numpy {v['numpy']}, icecache {v['icecache']}",
+            f"- command: `{command}`",
+            f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
+            "",
+            calibrate_markdown(rows, args.k),
+        ]
+    )
+    print(md)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    jpath = args.out / f"bench_index-calibrate-{stamp}.json"
+    jpath.write_text(json.dumps(dict(command=command, machine=m, versions=v, rows=rows), indent=2) + "\n")
+    (args.out / f"bench_index-calibrate-{stamp}.md").write_text(md + "\n")
+    log(f"wrote {jpath}")
+
+
+def calibrate_markdown(rows: list, k: int) -> str:
+    """Spread over the sets, per kind of text and over all, and the targets."""
+
+    def spread(xs) -> str:
+        xs = np.asarray(xs, dtype=np.float64)
+        return f"{xs.min():.3f} / {np.median(xs):.3f} / {xs.max():.3f}"
+
+    lines = [
+        f"| text | sets | keys per set | held-back R@{k} auto (min / median / max) "
+        f"| R@{k} effort 1 (min / median / max) | effort chosen (min / median / max) "
+        "| auto µs (median of sets) | exact scan µs: DCIIndex / NumPy (median of sets) "
+        "| calibration s (median) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    groups = sorted({r["text"] for r in rows})
+    for g in [*groups, "all"]:
+        rs = [r for r in rows if g in ("all", r["text"])]
+        lines.append(
+            f"| {g} | {len(rs)} | {int(np.median([r['n_keys'] for r in rs]))} "
+            f"| {spread([r['recall_auto'] for r in rs])} "
+            f"| {spread([r['recall_effort1'] for r in rs])} | {spread([r['effort'] for r in rs])} "
+            f"| {np.median([r['us_auto'] for r in rs]):.0f} "
+            f"| {np.median([r['us_exact'] for r in rs]):.0f} / {np.median([r['us_numpy'] for r in rs]):.0f} "
+            f"| {np.median([r['calib_s'] for r in rs]):.2f} |"
+        )
+    # Every set: the effort chosen and the held-back recall it gave.
+    sets = sorted({(r["text"], r["kv_head"]) for r in rows})
+    by = {(r["text"], r["kv_head"], r["layer"]): r for r in rows}
+    lines += [
+        "",
+        "| layer | " + " | ".join(f"{t} h{h}" for t, h in sets) + " |",
+        "|---|" + "---|" * len(sets),
+    ]
+    for layer in sorted({r["layer"] for r in rows}):
+        cells = [by.get((t, h, layer)) for t, h in sets]
+        lines.append(
+            f"| {layer} | "
+            + " | ".join("" if r is None else f"{r['effort']:.2f}: {r['recall_auto']:.3f}" for r in cells)
+            + " |"
+        )
+    worst = sorted(rows, key=lambda r: r["recall_auto"])[:5]
+    lines += [
+        "",
+        "Lowest held-back recall: "
+        + ", ".join(
+            f"{r['text']} L{r['layer']} h{r['kv_head']} {r['recall_auto']:.3f} (effort {r['effort']:.2f})"
+            for r in worst
+        ),
+        "",
+    ]
+    below = [r for r in rows if r["recall_auto"] < RECALL_TARGET]
+    # Against the faster of the two single-threaded exact scans (NumPy's, on these sets).
+    auto = np.median([r["us_auto"] for r in rows])
+    exact = min(np.median([r["us_exact"] for r in rows]), np.median([r["us_numpy"] for r in rows]))
+    ratio = float(auto / exact)
+    per_set = np.median([r["us_auto"] / min(r["us_exact"], r["us_numpy"]) for r in rows])
+    lines.append(
+        f"- target: held-back recall@{k} >= {RECALL_TARGET} on every set: "
+        + ("**met**" if not below else f"**missed** on {len(below)} of {len(rows)} sets")
+    )
+    lines.append(
+        f"- target: median auto latency <= 1/4 of the faster exact scan's: {auto:.0f} / {exact:.0f} µs = "
+        f"{ratio:.3f} "
+        + ("**met**" if ratio <= 0.25 else "**missed**")
+        + f" (median of the per-set ratios: {per_set:.3f})"
+    )
+    return "\n".join(lines)
 
 
 def growth_main(args, argv) -> None:

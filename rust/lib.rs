@@ -25,7 +25,7 @@ pub mod simd;
 mod bindings;
 
 pub use error::{Error, Result};
-pub use index::{Config, DciIndex, Metric, Stats};
+pub use index::{Calibration, Config, DciIndex, Metric, Stats};
 pub use input::KeyData;
 pub use load::{gather_pages, LoadPlan, ResidentPages};
 pub use pages::HeadForest;

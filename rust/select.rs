@@ -22,8 +22,9 @@ pub struct SelectParams {
     pub max_pages: usize,
     /// Softmax scale (usually `1 / sqrt(d)`).
     pub scale: f32,
-    /// Search effort (field of view multiplier).
-    pub effort: f32,
+    /// Search effort (field of view multiplier); `None`: each head's own default (see
+    /// `HeadForest::calibrate`).
+    pub effort: Option<f32>,
     /// Score every key exactly instead of searching.
     pub exact: bool,
     /// The weight of each query head's `successors` heaviest keys also goes to the page of
@@ -42,7 +43,9 @@ impl HeadForest {
         ensure!(hq >= h && hq % h == 0, "queries: {hq} query heads are not a multiple of {h} KV heads");
         ensure!(p.max_pages >= 1, "max_pages must be at least 1, got {}", p.max_pages);
         ensure!(p.scale.is_finite() && p.scale > 0.0, "scale must be a positive number, got {}", p.scale);
-        ensure!(p.effort.is_finite() && p.effort > 0.0, "effort must be a positive number, got {}", p.effort);
+        if let Some(e) = p.effort {
+            ensure!(e.is_finite() && e > 0.0, "effort must be a positive number, got {e}");
+        }
         let group = hq / h;
         // The search must look at no fewer keys than the pages could hold (or than there are).
         let pool = p.max_pages.saturating_mul(self.page_size()).min(self.len());
@@ -57,7 +60,8 @@ impl HeadForest {
                 |(scratch, scored, logits), (j, q)| {
                     let hp = &self.heads[j / group];
                     scored.clear();
-                    hp.index.scan_scores(q, pool, p.effort, p.exact, scratch, scored);
+                    let effort = p.effort.unwrap_or(hp.index.config().effort);
+                    hp.index.scan_scores(q, pool, effort, p.exact, scratch, scored);
                     logits.clear();
                     logits.extend(scored.iter().map(|s| s.score * p.scale));
                     let total = simd::softmax_numerators(logits);

@@ -72,7 +72,7 @@ fn leader_job(l: &mut Layer, q: &mut [f32], staging: &mut [u8], flush: Option<Fl
                 flush,
             }],
             queries: buf(q),
-            select: SelectParams { max_pages: width, scale: 0.25, effort: 1.0, exact: false, successors: 0 },
+            select: SelectParams { max_pages: width, scale: 0.25, effort: Some(1.0), exact: false, successors: 0 },
             reselect: true,
         },
         keep_alive: Box::new(()),

@@ -111,7 +111,7 @@ fn exact_selection_matches_reference() {
     let scale = 0.25;
     let max_pages = 7;
     let (pages, counts) =
-        f.select(&q, SelectParams { max_pages, scale, effort: 1.0, exact: true, successors: 0 }).unwrap();
+        f.select(&q, SelectParams { max_pages, scale, effort: Some(1.0), exact: true, successors: 0 }).unwrap();
     for kv in 0..h {
         let np = f.num_pages(kv).unwrap();
         let mut mass = vec![0f64; np];
@@ -152,7 +152,7 @@ fn full_budget_selects_all_pages() {
     let max_pages = f.max_pages() + 3;
     for exact in [true, false] {
         let (pages, counts) =
-            f.select(&q, SelectParams { max_pages, scale: 0.1, effort: 100.0, exact, successors: 0 }).unwrap();
+            f.select(&q, SelectParams { max_pages, scale: 0.1, effort: Some(100.0), exact, successors: 0 }).unwrap();
         for kv in 0..h {
             let np = f.num_pages(kv).unwrap();
             assert_eq!(counts[kv] as usize, np, "exact={exact}");
@@ -217,7 +217,7 @@ fn bad_input_changes_nothing() {
     assert!(HeadForest::build(KeyData::F32(&k), h, Config::new(d, Metric::L2), 8).is_err(), "metric");
     let mut f = forest(&k, h, d, s);
     let q = keys(1, 3, d, 8);
-    let ok = SelectParams { max_pages: 4, scale: 0.3, effort: 1.0, exact: false, successors: 0 };
+    let ok = SelectParams { max_pages: 4, scale: 0.3, effort: Some(1.0), exact: false, successors: 0 };
     assert!(f.select(&q, ok).is_err(), "3 query heads for 2 KV heads");
     let q4 = keys(1, 4, d, 8);
     assert!(f.select(&q4, SelectParams { max_pages: 0, ..ok }).is_err());
@@ -294,7 +294,54 @@ fn sizes_beyond_the_data_are_errors_or_cost_nothing() {
     let f = forest(&keys(h, 100, d, 1), h, d, 8);
     let q = keys(1, 4, d, 2);
     for max_pages in [1 << 60, usize::MAX] {
-        let r = f.select(&q, SelectParams { max_pages, scale: 0.3, effort: 1.0, exact: false, successors: 0 });
+        let r = f.select(&q, SelectParams { max_pages, scale: 0.3, effort: Some(1.0), exact: false, successors: 0 });
         assert!(matches!(r, Err(icecache::Error::Memory(_))), "max_pages {max_pages}");
     }
+}
+
+#[test]
+fn calibrate_sets_each_heads_effort_and_selection_uses_it() {
+    let (h, n, d, s, group) = (2, 4000, 16, 16, 2);
+    let k = keys(h, n, d, 21);
+    let mut f = forest(&k, h, d, s);
+    // `[H_q, nq, d]`: query head j of KV head j / group, drawn like that head's keys.
+    let nq = 64;
+    let mut q = Vec::new();
+    for j in 0..h * group {
+        let head = &k[(j / group) * n * d..(j / group + 1) * n * d];
+        let noise = keys(1, nq, d, 100 + j as u64);
+        for i in 0..nq {
+            let at = (i * 37 % n) * d;
+            q.extend(head[at..at + d].iter().zip(&noise[i * d..(i + 1) * d]).map(|(a, b)| a + 0.5 * b));
+        }
+    }
+    // Bad input changes nothing.
+    let before = f.efforts();
+    assert!(f.calibrate(&q, 3, 50, 0.95, 0.0625..=64.0).is_err(), "3 query heads for 2 KV heads");
+    assert!(f.calibrate(&q, h * group, n + 1, 0.95, 0.0625..=64.0).is_err(), "k beyond the keys");
+    assert!(f.calibrate(&q, h * group, 50, 1.5, 0.0625..=64.0).is_err(), "target");
+    assert!(f.calibrate(&[], h * group, 50, 0.95, 0.0625..=64.0).is_err(), "no queries");
+    assert_eq!(f.efforts(), before);
+
+    let found = f.calibrate(&q, h * group, 50, 0.95, 0.0625..=64.0).unwrap();
+    assert_eq!(found.len(), h);
+    assert_eq!(f.efforts(), found.iter().map(|c| c.effort).collect::<Vec<_>>());
+    for c in &found {
+        assert!(c.reached && c.queries == group * nq && c.k == 50, "{c:?}");
+    }
+    // `effort: None` selects each head at its own effort, step after step.
+    let params = SelectParams { max_pages: 2, scale: 0.25, effort: None, exact: false, successors: 0 };
+    let mut differs = false;
+    for i in 0..nq {
+        let step: Vec<f32> = (0..h * group).flat_map(|j| q[(j * nq + i) * d..(j * nq + i + 1) * d].to_vec()).collect();
+        let (own, _) = f.select(&step, params).unwrap();
+        for (head, c) in found.iter().enumerate() {
+            let (at, _) = f.select(&step, SelectParams { effort: Some(c.effort), ..params }).unwrap();
+            assert_eq!(own[head * 2..(head + 1) * 2], at[head * 2..(head + 1) * 2], "step {i}, head {head}");
+        }
+        let (small, _) = f.select(&step, SelectParams { effort: Some(1.0 / 64.0), ..params }).unwrap();
+        differs |= own != small;
+    }
+    // Which makes a difference: a far smaller effort selects otherwise.
+    assert!(differs, "selection does not depend on the effort here: the test proves nothing");
 }

@@ -13,6 +13,7 @@ The pipeline, stage by stage:
 """
 
 from icecache._core import (
+    Calibration,
     DCIIndex,
     HeadForest,
     IndexFileError,
@@ -22,6 +23,7 @@ from icecache._core import (
 )
 
 __all__ = [
+    "Calibration",
     "DCIIndex",
     "HeadForest",
     "IndexFileError",

@@ -16,7 +16,7 @@ of its inputs nor be written by another running call: that raises ``ValueError``
 """
 
 from os import PathLike
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Literal, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +26,7 @@ __all__ = [
     "__version__",
     "IndexFileError",
     "DCIIndex",
+    "Calibration",
     "HeadForest",
     "ResidentPages",
     "gather_pages",
@@ -69,7 +70,18 @@ class DCIIndex:
             ``promotion[i]`` is P(level >= i + 1 | level >= i). A float means one level.
         seed: seed for the random directions and level draws (``None``: from the OS).
         threads: worker threads for bulk build and batch queries (``None``: all cores).
-        effort: default query effort (see ``query``).
+        effort: default query effort (see ``query``), or ``"auto"``: the first ``query`` that runs
+            at the default effort (no ``effort``, not ``exact``) first calibrates it on (at most
+            256, evenly spaced, of) that call's queries, at that call's ``k`` (``calibrate``),
+            then answers them; until then ``awaits_calibration`` is True. It aims at recall@k
+            0.95 for the queries that follow, so it calibrates the first batch for half that miss
+            rate (``target_recall=0.975``), and never below effort 1 (``min_effort=1``): later
+            queries can be harder than the first ones (measured on SmolLM2 in
+            ``benches/RESULTS.md``). That
+            first call costs an exact scan per sample query plus about ten searches of them, so
+            make it a batch of real queries (a few hundred; with very few, the estimate of the
+            recall is loose). The effort is calibrated once: call ``calibrate`` again after the
+            keys have changed much.
     """
 
     def __new__(
@@ -82,7 +94,7 @@ class DCIIndex:
         promotion: Union[float, Sequence[float], None] = None,
         seed: Optional[int] = None,
         threads: Optional[int] = None,
-        effort: float = 1.0,
+        effort: Union[float, Literal["auto"]] = 1.0,
     ) -> Self: ...
     @property
     def dim(self) -> int: ...
@@ -104,9 +116,48 @@ class DCIIndex:
         """Top-``k`` neighbours of each query row: ``(ids [nq, k], scores [nq, k])``.
 
         Scores are inner products (descending) for ``"ip"``, squared distances (ascending)
-        for ``"l2"``. ``effort`` scales the search (field of view); ``exact=True`` is a
-        brute-force scan.
+        for ``"l2"``. ``effort`` scales the search (field of view; ``None``: the default, which
+        ``calibrate`` sets, and which ``effort="auto"`` calibrates on this call when it still
+        awaits that); ``exact=True`` is a brute-force scan.
         """
+    def calibrate(
+        self,
+        queries: npt.ArrayLike,
+        k: int,
+        target_recall: float = 0.95,
+        *,
+        min_effort: float = 0.0625,
+        max_effort: float = 64.0,
+    ) -> "Calibration":
+        """Sets the default effort to the smallest that reaches ``target_recall`` (recall@``k``)
+        on the sample ``queries`` ``[nq, dim]``, and returns what it measured.
+
+        Each query's exact top-``k`` comes from the index's own exact scan (one scan of every
+        key per query: the main cost, with about ten approximate searches of the sample).
+        Efforts are searched by halving or doubling from 1 (within ``min_effort`` ..
+        ``max_effort``, which must hold 1), then by bisection to within 10%. An effort reaches
+        the target when the sample's mean recall, less two standard errors of that mean, is at
+        least ``target_recall``: other queries like the sample then reach it too (the mean
+        alone would leave half of them below).
+        The result holds for this ``k`` and for queries like the sample; queries unlike it can
+        fall short (on SmolLM2, queries at later positions than the sample's had up to 0.10 less
+        recall@100: ``benches/RESULTS.md``), so ask for a higher target when the queries to
+        come may differ (``effort="auto"`` does).
+
+        When no effort up to ``max_effort`` reaches the target (``reached`` is False), the
+        default becomes the effort with the best recall measured, and no error is raised:
+        check ``reached``. Bad input (shape, dtype, non-finite values, no queries, ``k``
+        outside ``1..=len``, ``target_recall`` outside (0, 1], ``min_effort`` outside (0, 1],
+        ``max_effort`` below 1, an empty index) raises ``ValueError`` and changes nothing. The result is kept
+        (``calibration``) and saved with the index.
+        """
+    @property
+    def calibration(self) -> Optional["Calibration"]:
+        """The last calibration (``calibrate`` or ``effort="auto"``; saved with the index), or
+        None."""
+    @property
+    def awaits_calibration(self) -> bool:
+        """True while ``effort="auto"`` waits for its first query to calibrate."""
     def save(self, path: Union[str, PathLike[str]]) -> None:
         """Writes the index to ``path``: a temporary file of its own beside it, flushed to disk
         and renamed over it. A save that returns has left a whole file; of concurrent saves to
@@ -114,9 +165,46 @@ class DCIIndex:
         the path removes the crashed save's temporary file)."""
     @staticmethod
     def load(path: Union[str, PathLike[str]], threads: Optional[int] = None) -> "DCIIndex":
-        """Reads an index written by ``save``. The header, checksum and whole structure are
-        checked first: a bad file raises ``IndexFileError``, never a later call."""
+        """Reads an index written by ``save`` (this version's format, 2, or the earlier 1, whose
+        files have no calibration). The header, checksum and whole structure are checked first:
+        a bad file raises ``IndexFileError``, never a later call."""
     def stats(self) -> dict[str, Any]: ...
+
+@final
+class Calibration:
+    """What ``DCIIndex.calibrate`` (or ``effort="auto"``) measured.
+
+    Attributes:
+        effort: the effort chosen (now the index's default): the smallest tried that reached
+            the target, or, when none did, the one with the best recall.
+        recall: mean recall@``k`` of the sample queries at ``effort``.
+        recall_stderr: standard error of that mean (0 with one query).
+        reached: whether ``recall - 2 * recall_stderr >= target_recall``.
+        target_recall: the target asked for.
+        k: neighbours per query the recall counts.
+        queries: sample queries used.
+        evaluations: efforts tried (each an approximate search of every sample query).
+        seconds: wall time of the calibration, exact scans included.
+    """
+
+    @property
+    def effort(self) -> float: ...
+    @property
+    def recall(self) -> float: ...
+    @property
+    def recall_stderr(self) -> float: ...
+    @property
+    def reached(self) -> bool: ...
+    @property
+    def target_recall(self) -> float: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def queries(self) -> int: ...
+    @property
+    def evaluations(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
 
 @final
 class HeadForest:
@@ -133,8 +221,9 @@ class HeadForest:
 
     Args:
         page_size: tokens per page (8..=64).
-        seed, threads, num_simple, num_composite, effort: as for ``DCIIndex``; head ``h`` uses
+        seed, threads, num_simple, num_composite: as for ``DCIIndex``; head ``h`` uses
             ``seed + h``.
+        effort: the query effort (a number; ``"auto"`` is ``DCIIndex``'s only).
         promotion: as for ``DCIIndex``; the default ``[0.01, 1/16, 1/16]`` gives leaf cells of
             about 100 keys.
     """
@@ -187,9 +276,32 @@ class HeadForest:
         ``pages[h, :counts[h]]`` are KV head ``h``'s pages ranked by the group's attention mass
         (each query head's softmax with ``scale``, default ``1/sqrt(d)``, over the keys its search
         scores, summed over the group); the rest is -1. ``exact`` scores every key exactly.
-        ``successors``: the weight of each query head's ``successors`` heaviest keys also goes to
-        the page holding the next position (for selecting a step ahead: a head that copies text
-        attends one token further on at the next step)."""
+        ``effort``: the search effort of every head; ``None``: each head's own (``efforts``, as
+        ``calibrate`` set them). ``successors``: the weight of each query head's ``successors``
+        heaviest keys also goes to the page holding the next position (for selecting a step
+        ahead: a head that copies text attends one token further on at the next step)."""
+    def calibrate(
+        self,
+        queries: npt.ArrayLike,
+        k: int,
+        target_recall: float = 0.95,
+        *,
+        min_effort: float = 0.0625,
+        max_effort: float = 64.0,
+    ) -> List[Calibration]:
+        """Calibrates each KV head's own effort (``efforts``; what ``select`` uses with
+        ``effort=None``) as ``DCIIndex.calibrate`` does, on the queries of its GQA group:
+        ``queries`` is ``[H_q, n, d]`` (e.g. the last queries of the prompt at this layer; query
+        head ``j`` belongs to KV head ``j // (H_q // H_kv)``), recall@``k`` counted against the
+        head's exact scan (one scan of its keys per query). Selection scores every key of its
+        field of view, which holds that of a ``k``-query at the same effort when
+        ``max_pages * page_size >= 2 * k * max(effort, 1)`` (its pool is then at least as
+        large), so it scores at least the calibrated share of each query's true top-``k``. Returns
+        one ``Calibration`` per KV head. Every head is measured (in parallel) before any
+        changes: bad input raises ``ValueError`` and changes nothing."""
+    @property
+    def efforts(self) -> List[float]:
+        """Each KV head's own search effort (the constructor's, or as ``calibrate`` set it)."""
     def insert(
         self, keys: npt.ArrayLike, values: npt.ArrayLike, k_store: npt.ArrayLike, v_store: npt.ArrayLike
     ) -> List[npt.NDArray[np.int32]]:

@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 
 use super::arrays::{extract_ids, matrix, Keys, NdArray1, NdArray2};
 use super::guard::{entry, on_pool, run, sizes, to_py, Shared};
-use crate::index::{Config, DciIndex, Metric};
+use crate::index::{Calibration, Config, DciIndex, Metric, DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
 
 /// Approximate nearest-neighbour index over a multi-level Dynamic Continuous Indexing tree.
 /// See ``icecache/_core.pyi`` for the full documentation.
@@ -63,6 +63,65 @@ pub(super) fn apply_config(
     cfg.validate().map_err(to_py)
 }
 
+// `calibrate`'s text signature spells the default out.
+const _: () = assert!(DEFAULT_MIN_EFFORT == 0.0625 && DEFAULT_MAX_EFFORT == 64.0);
+
+/// The constructor's `effort`: a number, or `"auto"`.
+#[derive(FromPyObject)]
+enum EffortArg {
+    Number(f32),
+    Word(String),
+}
+
+/// What `DCIIndex.calibrate` found. See ``icecache/_core.pyi``.
+#[pyclass(name = "Calibration", module = "icecache._core", frozen, get_all)]
+pub struct PyCalibration {
+    effort: f32,
+    recall: f64,
+    recall_stderr: f64,
+    reached: bool,
+    target_recall: f64,
+    k: usize,
+    queries: usize,
+    evaluations: usize,
+    seconds: f64,
+}
+
+impl From<Calibration> for PyCalibration {
+    fn from(c: Calibration) -> PyCalibration {
+        PyCalibration {
+            effort: c.effort,
+            recall: c.recall,
+            recall_stderr: c.recall_stderr,
+            reached: c.reached,
+            target_recall: c.target,
+            k: c.k,
+            queries: c.queries,
+            evaluations: c.evaluations,
+            seconds: c.seconds,
+        }
+    }
+}
+
+#[pymethods]
+impl PyCalibration {
+    fn __repr__(&self) -> String {
+        format!(
+            "Calibration(effort={:.4}, recall={:.4}, recall_stderr={:.4}, reached={}, target_recall={}, k={}, \
+             queries={}, evaluations={}, seconds={:.3})",
+            self.effort,
+            self.recall,
+            self.recall_stderr,
+            if self.reached { "True" } else { "False" },
+            self.target_recall,
+            self.k,
+            self.queries,
+            self.evaluations,
+            self.seconds
+        )
+    }
+}
+
 impl PyDciIndex {
     fn wrap(inner: DciIndex, pool: Option<Arc<rayon::ThreadPool>>) -> PyDciIndex {
         let (dim, metric) = (inner.dim(), inner.metric());
@@ -77,7 +136,10 @@ impl PyDciIndex {
 #[pymethods]
 impl PyDciIndex {
     #[new]
-    #[pyo3(signature = (dim, metric = "ip", *, num_simple = None, num_composite = None, promotion = None, seed = None, threads = None, effort = 1.0))]
+    #[pyo3(
+        signature = (dim, metric = "ip", *, num_simple = None, num_composite = None, promotion = None, seed = None, threads = None, effort = EffortArg::Number(1.0)),
+        text_signature = "(dim, metric='ip', *, num_simple=None, num_composite=None, promotion=None, seed=None, threads=None, effort=1.0)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         #[pyo3(from_py_with = sizes::dim)] dim: usize,
@@ -87,12 +149,22 @@ impl PyDciIndex {
         promotion: Option<&Bound<'_, PyAny>>,
         #[pyo3(from_py_with = sizes::seed)] seed: Option<u64>,
         #[pyo3(from_py_with = sizes::threads)] threads: Option<usize>,
-        effort: f32,
+        effort: EffortArg,
     ) -> PyResult<Self> {
         entry(|| {
+            let (effort, auto) = match effort {
+                EffortArg::Number(e) => (e, false),
+                EffortArg::Word(w) if w == "auto" => (1.0, true),
+                EffortArg::Word(w) => {
+                    return Err(PyValueError::new_err(format!("effort must be a number or \"auto\", not {w:?}")))
+                }
+            };
             let mut cfg = Config::new(dim, Metric::parse(metric).map_err(to_py)?);
             apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
-            let inner = DciIndex::new(cfg).map_err(to_py)?;
+            let mut inner = DciIndex::new(cfg).map_err(to_py)?;
+            if auto {
+                inner.set_auto_effort();
+            }
             Ok(PyDciIndex::wrap(inner, make_pool(threads)?))
         })
     }
@@ -162,10 +234,53 @@ impl PyDciIndex {
             let (queries, nq) = Keys::extract(queries, "queries", self.dim)?;
             let data = queries.data()?;
             let pool = self.pool();
-            let (ids, scores) =
-                self.inner.view(py, |idx| on_pool(pool, nq > 1, || idx.query(data, k, effort, exact)))?;
+            let auto = effort.is_none() && !exact && self.inner.view(py, |idx| Ok(idx.awaits_calibration()))?;
+            let (ids, scores) = if auto {
+                // `effort="auto"`: this query calibrates first (`query_auto` checks again under
+                // the write lock: another thread may have calibrated meanwhile).
+                self.inner.update(py, |idx| on_pool(pool, true, || idx.query_auto(data, k)))?
+            } else {
+                self.inner.view(py, |idx| on_pool(pool, nq > 1, || idx.query(data, k, effort, exact)))?
+            };
             Ok((matrix(py, (nq, k), ids)?, matrix(py, (nq, k), scores)?))
         })
+    }
+
+    /// Sets the default effort to the smallest that reaches ``target_recall`` on ``queries``.
+    #[pyo3(
+        signature = (queries, k, target_recall = 0.95, *, min_effort = DEFAULT_MIN_EFFORT, max_effort = DEFAULT_MAX_EFFORT),
+        text_signature = "(self, queries, k, target_recall=0.95, *, min_effort=0.0625, max_effort=64.0)"
+    )]
+    fn calibrate(
+        &self,
+        py: Python<'_>,
+        queries: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = sizes::k)] k: usize,
+        target_recall: f64,
+        min_effort: f32,
+        max_effort: f32,
+    ) -> PyResult<PyCalibration> {
+        entry(|| {
+            let (queries, _) = Keys::extract(queries, "queries", self.dim)?;
+            let data = queries.data()?;
+            let pool = self.pool();
+            let found = self.inner.update(py, |idx| {
+                on_pool(pool, true, || idx.calibrate(data, k, target_recall, min_effort..=max_effort))
+            })?;
+            Ok(found.into())
+        })
+    }
+
+    /// The last calibration (``calibrate`` or ``effort="auto"``), or None.
+    #[getter]
+    fn calibration(&self, py: Python<'_>) -> PyResult<Option<PyCalibration>> {
+        entry(|| self.inner.view(py, |idx| Ok(idx.calibration().cloned().map(PyCalibration::from))))
+    }
+
+    /// Whether ``effort="auto"`` still waits for its first query to calibrate.
+    #[getter]
+    fn awaits_calibration(&self, py: Python<'_>) -> PyResult<bool> {
+        entry(|| self.inner.view(py, |idx| Ok(idx.awaits_calibration())))
     }
 
     /// Writes the index to ``path`` (versioned header + checksum; atomic rename).

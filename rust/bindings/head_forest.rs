@@ -7,8 +7,9 @@ use numpy::{IntoPyArray, PyArrayDescrMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::arrays::{check_shape, matrix, ro, rw, to_i32, with_elem, Keys, NdArray1, NdArray2};
-use super::dci_index::{apply_config, make_pool};
+use super::dci_index::{apply_config, make_pool, PyCalibration};
 use super::guard::{entry, on_pool, release, run, sizes, Shared};
+use crate::index::{DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
 use crate::pages::HeadForest;
 use crate::select::SelectParams;
 
@@ -192,7 +193,7 @@ impl PyHeadForest {
                 let params = SelectParams {
                     max_pages,
                     scale: scale.unwrap_or(1.0 / (dim as f32).sqrt()),
-                    effort: effort.unwrap_or(f.heads_effort()),
+                    effort,
                     exact,
                     successors,
                 };
@@ -200,6 +201,37 @@ impl PyHeadForest {
             })?;
             Ok((matrix(py, (self.num_heads, max_pages), pages)?, counts.into_pyarray(py)))
         })
+    }
+
+    /// Calibrates each head's default effort on its GQA group's queries ``[H_q, n, d]``.
+    #[pyo3(
+        signature = (queries, k, target_recall = 0.95, *, min_effort = DEFAULT_MIN_EFFORT, max_effort = DEFAULT_MAX_EFFORT),
+        text_signature = "(self, queries, k, target_recall=0.95, *, min_effort=0.0625, max_effort=64.0)"
+    )]
+    fn calibrate(
+        &self,
+        py: Python<'_>,
+        queries: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = sizes::k)] k: usize,
+        target_recall: f64,
+        min_effort: f32,
+        max_effort: f32,
+    ) -> PyResult<Vec<PyCalibration>> {
+        entry(|| {
+            let (q, shape) = Keys::extract_nd(queries, "queries", self.dim, 3)?;
+            let q = q.data()?.to_f32_vec();
+            let pool = self.pool();
+            let found = self.inner.update(py, |f| {
+                on_pool(pool, true, || f.calibrate(&q, shape[0], k, target_recall, min_effort..=max_effort))
+            })?;
+            Ok(found.into_iter().map(PyCalibration::from).collect())
+        })
+    }
+
+    /// Each head's default effort (``select`` with ``effort=None`` uses it).
+    #[getter]
+    fn efforts(&self, py: Python<'_>) -> PyResult<Vec<f32>> {
+        entry(|| self.inner.view(py, |f| Ok(f.efforts())))
     }
 
     /// Appends tokens (``[H_kv, m, d]``), writes them into the stores; returns changed pages per head.

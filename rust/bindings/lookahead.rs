@@ -270,7 +270,7 @@ impl PyLookAheadLayer {
                 leader,
                 geometry,
                 batch,
-                select: SelectParams { max_pages, scale, effort, exact: false, successors },
+                select: SelectParams { max_pages, scale, effort: Some(effort), exact: false, successors },
                 refresh: refresh as u64,
                 queries: qb,
                 flag: fb,

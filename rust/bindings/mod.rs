@@ -20,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("IndexFileError", m.py().get_type::<guard::IndexFileError>())?;
     m.add_class::<dci_index::PyDciIndex>()?;
+    m.add_class::<dci_index::PyCalibration>()?;
     m.add_class::<head_forest::PyHeadForest>()?;
     m.add_class::<resident_pages::PyResidentPages>()?;
     m.add_class::<lookahead::PyLookAhead>()?;

@@ -18,11 +18,12 @@
 //! that depends on it (route extras, P-DCI projections) is recomputed at once.
 //!
 //! Modules: `cells` (tiers of cells, the storage), `descent` (the beam descent), `rank` (packed
-//! scores, best-k), `tree` (build, insert, delete), `search` (queries), `pdci` (P-DCI inside a
-//! large leaf cell), `persist` (save files), `check` (structural checks of loaded files, and
-//! the invariants tests assert). `tree` and `search` share `cells`, `descent` and `rank` and do
+//! scores, best-k), `tree` (build, insert, delete), `search` (queries), `calibrate` (the effort
+//! that reaches a target recall), `pdci` (P-DCI inside a large leaf cell), `persist` (save
+//! files), `check` (structural checks of loaded files, and the invariants tests assert). `tree` and `search` share `cells`, `descent` and `rank` and do
 //! not use each other.
 
+mod calibrate;
 mod cells;
 mod check;
 mod descent;
@@ -42,6 +43,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ensure, Error, Result};
 use crate::input::{check_rows, KeyData};
+use calibrate::Tuning;
+pub use calibrate::{Calibration, AUTO_MIN_EFFORT, AUTO_SAMPLE, AUTO_TARGET, DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
 use cells::{Tier, NONE};
 pub use search::Scratch;
 
@@ -211,6 +214,10 @@ pub struct DciIndex {
     /// a `HeadForest`, reads it to re-derive what it keeps per leaf cell).
     #[serde(skip)]
     leaf_rebuilds: u64,
+    /// A pending `effort="auto"` and the last calibration (`calibrate`); saved after the index
+    /// in its own section, so that files of format 1 (without it) still load.
+    #[serde(skip)]
+    tuning: Tuning,
 }
 
 const FREE: u8 = u8::MAX;
@@ -257,6 +264,7 @@ impl DciIndex {
             built: 0,
             upper_built: 0,
             leaf_rebuilds: 0,
+            tuning: Tuning::default(),
         })
     }
 

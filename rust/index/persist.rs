@@ -1,7 +1,9 @@
 //! Save files: a versioned header and a CRC-32 of the payload, then the index in bincode.
 //!
 //! Layout: magic (8 bytes) | format version (u32 LE) | payload length (u64 LE) |
-//! CRC-32 of the payload (u32 LE) | payload.
+//! CRC-32 of the payload (u32 LE) | payload. The payload is the index, then (format 2) its
+//! search tuning (a pending `effort="auto"`, the last calibration). Files of format 1 have no
+//! tuning section and still load (with none).
 //!
 //! A save writes a temporary file of its own (a unique name beside the target, locked while it
 //! is written), flushes it to disk and renames it over the target. So concurrent saves to one
@@ -24,7 +26,9 @@ use super::{DciIndex, FREE};
 use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"ICEDCI\r\n";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+/// The oldest format this build reads.
+const OLDEST: u32 = 1;
 const HEADER: usize = 8 + 4 + 8 + 4;
 /// Suffix of the temporary files of a save (named `.{target}.{pid}-{n}.icecache-tmp`).
 const TMP_SUFFIX: &str = ".icecache-tmp";
@@ -101,10 +105,12 @@ impl DciIndex {
         out.write_all(&VERSION.to_le_bytes())?;
         out.write_all(&[0; 12])?;
         let mut body = Checksummed { inner: out, crc: crc32fast::Hasher::new(), len: 0 };
-        encoding().serialize_into(&mut body, self).map_err(|e| match *e {
+        let io = |e: bincode::Error| match *e {
             bincode::ErrorKind::Io(e) => e,
             other => std::io::Error::other(other.to_string()),
-        })?;
+        };
+        encoding().serialize_into(&mut body, self).map_err(io)?;
+        encoding().serialize_into(&mut body, &self.tuning).map_err(io)?;
         let (mut out, crc, len) = (body.inner, body.crc.finalize(), body.len);
         out.seek(SeekFrom::Start(12))?;
         out.write_all(&len.to_le_bytes())?;
@@ -130,9 +136,9 @@ impl DciIndex {
         }
         let word = |at: usize| u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
         let version = word(8);
-        if version != VERSION {
+        if !(OLDEST..=VERSION).contains(&version) {
             return Err(Error::File(format!(
-                "index file format version {version} is not supported (this build reads {VERSION})"
+                "index file format version {version} is not supported (this build reads {OLDEST} to {VERSION})"
             )));
         }
         let len = word(12) as u64 | (word(16) as u64) << 32;
@@ -144,8 +150,15 @@ impl DciIndex {
         if crc32fast::hash(payload) != crc {
             return Err(corrupt("checksum mismatch (the file is corrupted)"));
         }
-        let mut index: DciIndex =
-            encoding().with_limit(len).deserialize(payload).map_err(|e| corrupt(&e.to_string()))?;
+        let bad = |e: bincode::Error| corrupt(&e.to_string());
+        let mut rest = payload;
+        let mut index: DciIndex = encoding().with_limit(len).deserialize_from(&mut rest).map_err(bad)?;
+        if version >= 2 {
+            index.tuning = encoding().with_limit(len).deserialize_from(&mut rest).map_err(bad)?;
+        }
+        if !rest.is_empty() {
+            return Err(corrupt(&format!("{} bytes after the index", rest.len())));
+        }
         // Tags are not saved (see `DciIndex::tags`): every point loads untagged.
         index.tags = vec![0; index.level.len()];
         if let Some(leaves) = index.tiers.first_mut() {
@@ -227,4 +240,57 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 #[cfg(not(unix))]
 fn sync_dir(_dir: &Path) -> std::io::Result<()> {
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::{Config, Metric, Tuning};
+    use crate::input::KeyData;
+
+    /// A file of `version` around `payload`, as `write_file` lays it out.
+    fn sealed(version: u32, payload: &[u8]) -> Vec<u8> {
+        let mut f = MAGIC.to_vec();
+        f.extend_from_slice(&version.to_le_bytes());
+        f.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        f.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    fn index() -> DciIndex {
+        let mut cfg = Config::new(4, Metric::InnerProduct);
+        cfg.seed = Some(1);
+        let mut idx = DciIndex::new(cfg).unwrap();
+        let keys: Vec<f32> = (0..400).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+        idx.add(KeyData::F32(&keys), None).unwrap();
+        idx
+    }
+
+    #[test]
+    fn tuning_round_trips_and_format_1_still_loads() {
+        let mut idx = index();
+        let queries: Vec<f32> = (0..40).map(|i| ((i * 13 % 29) as f32 / 14.0) - 1.0).collect();
+        let c = idx.calibrate(KeyData::F32(&queries), 5, 0.9, 0.0625..=64.0).unwrap();
+        let mut pending = index();
+        pending.set_auto_effort();
+        for (idx, effort) in [(&idx, c.effort), (&pending, 1.0)] {
+            let dir = std::env::temp_dir().join(format!("icecache-persist-{}", std::process::id()));
+            fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("tuned.idx");
+            idx.save(&path).unwrap();
+            let back = DciIndex::load(&path).unwrap();
+            assert_eq!(back.tuning, idx.tuning);
+            assert_eq!(back.config().effort, effort);
+            let _ = fs::remove_dir_all(&dir);
+        }
+        // Format 1: the index alone, no tuning section.
+        let v1 = sealed(1, &encoding().serialize(&idx).unwrap());
+        let back = DciIndex::from_bytes(&v1).unwrap();
+        assert_eq!(back.tuning, Tuning::default());
+        assert_eq!(back.config().effort, c.effort);
+        // A format-2 file cut after the index (its tuning section missing) is rejected.
+        assert!(matches!(DciIndex::from_bytes(&sealed(2, &encoding().serialize(&idx).unwrap())), Err(Error::File(_))));
+        assert!(matches!(DciIndex::from_bytes(&sealed(3, &[])), Err(Error::File(_))));
+    }
 }

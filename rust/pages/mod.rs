@@ -8,12 +8,13 @@
 mod split;
 
 use std::collections::HashMap;
+use std::ops::RangeInclusive;
 
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::{ensure, Error, Result};
-use crate::index::{Config, DciIndex, Metric};
+use crate::index::{Calibration, Config, DciIndex, Metric};
 use crate::input::{check_rows, KeyData};
 use split::split_pages;
 
@@ -128,9 +129,45 @@ impl HeadForest {
         Ok(self.head(head)?.pages.len())
     }
 
-    /// The configured default search effort.
-    pub fn heads_effort(&self) -> f32 {
-        self.heads[0].index.config().effort
+    /// Each head's default search effort (the configured one, or its calibration's).
+    pub fn efforts(&self) -> Vec<f32> {
+        self.heads.iter().map(|h| h.index.config().effort).collect()
+    }
+
+    /// Calibrates each head's default effort (`DciIndex::calibrate`) on the queries of its GQA
+    /// group: `queries` is `[q_heads, n, d]` (the runtime's last prompt queries of this layer,
+    /// say), and query head `j` belongs to KV head `j / (q_heads / H_kv)`. Recall@`k` counts
+    /// against each head's exact scan. Selection scores every key of its field of view, which
+    /// holds that of a `k`-query at the same effort when its pool is at least as large
+    /// (`max_pages * page_size >= rerank * k * max(effort, 1)`): it then scores at least the
+    /// calibrated share of each query's true top-`k` keys. Every head is measured (in parallel) before any changes: on error
+    /// nothing changes.
+    pub fn calibrate(
+        &mut self,
+        queries: &[f32],
+        q_heads: usize,
+        k: usize,
+        target: f64,
+        efforts: RangeInclusive<f32>,
+    ) -> Result<Vec<Calibration>> {
+        let h = self.heads.len();
+        let rows = check_rows(queries, self.dim, "queries")?;
+        ensure!(
+            q_heads >= h && q_heads.is_multiple_of(h),
+            "queries: {q_heads} query heads are not a multiple of {h} KV heads"
+        );
+        ensure!(rows.is_multiple_of(q_heads) && rows > 0, "queries must be [{q_heads}, n, {}] with n >= 1", self.dim);
+        // A KV head's group of query heads is contiguous in `[q_heads, n, d]`.
+        let found = self
+            .heads
+            .par_iter()
+            .zip(queries.par_chunks_exact(rows / h * self.dim))
+            .map(|(hp, q)| hp.index.find_effort(KeyData::F32(q), k, target, efforts.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        for (hp, c) in self.heads.iter_mut().zip(&found) {
+            hp.index.apply_calibration(c.clone());
+        }
+        Ok(found)
     }
 
     pub fn max_pages(&self) -> usize {
