@@ -22,6 +22,8 @@ const REGROW_MIN: usize = 512;
 const UPPER_REGROW: usize = 20;
 /// Cells the build's refinement round chooses among for each point.
 const REFINE_CHOICES: usize = 4;
+/// Rows per task of the build's first pass over the keys (norms, projections, mean).
+const PREP_ROWS: usize = 4096;
 /// Points per task of the build's grouped scoring: enough to share tiles (each chosen cell
 /// gets dozens), few enough that their keys stay in cache between descent and scoring.
 const BUILD_CHUNK: usize = 512;
@@ -412,21 +414,44 @@ impl DciIndex {
 
     // ---------------------------------------------------------------- build
 
-    /// Bulk build over `keys` (`[n, dim]`) into an empty index; parallel where it pays.
-    pub(super) fn build(&mut self, keys: &[f32], ids: &[i64]) {
+    /// Bulk build over `keys` (`[n, dim]`, which the index keeps) into an empty index;
+    /// parallel where it pays.
+    pub(super) fn build(&mut self, keys: Vec<f32>, ids: &[i64]) {
         let d = self.cfg.dim;
         let nd = self.cfg.num_dirs();
         let n = ids.len();
         // Room for inserts after the build, so the first ones do not pay for a regrowth.
-        let spare = n / 8;
-        self.keys = Vec::with_capacity((n + spare) * d);
-        self.keys.extend_from_slice(keys);
-        self.sq_norms = keys.par_chunks_exact(d).map(|k| simd::dot(k, k)).collect();
+        let mut keys = keys;
+        keys.reserve_exact((n / 8) * d);
+        self.keys = keys;
+        let keys = &self.keys[..];
         // The directions without their extra component, contiguous, for blocked dot products.
         let dirs: Vec<f32> = self.dirs.chunks_exact(d + 1).flat_map(|u| &u[..d]).copied().collect();
-        self.proj = vec![0f32; n * nd];
-        self.proj.par_chunks_mut(nd).zip(keys.par_chunks_exact(d)).for_each(|(p, k)| simd::dot_rows(k, &dirs, p));
-        self.code_center = super::mean_row(keys, d);
+        // Squared norms, projections and the mean in one pass over the keys, a block of rows at
+        // a time (each block's sum apart, added in block order: the same mean on any thread count).
+        let mut sq_norms = vec![0f32; n];
+        let mut proj = vec![0f32; n * nd];
+        let sums: Vec<Vec<f64>> = sq_norms
+            .par_chunks_mut(PREP_ROWS)
+            .zip(proj.par_chunks_mut(PREP_ROWS * nd))
+            .zip(keys.par_chunks(PREP_ROWS * d))
+            .map(|((sq, p), rows)| {
+                let mut sum = vec![0f64; d];
+                for ((s, p), k) in sq.iter_mut().zip(p.chunks_exact_mut(nd)).zip(rows.chunks_exact(d)) {
+                    *s = simd::dot(k, k);
+                    simd::dot_rows(k, &dirs, p);
+                    sum.iter_mut().zip(k).for_each(|(a, &x)| *a += x as f64);
+                }
+                sum
+            })
+            .collect();
+        let mut total = vec![0f64; d];
+        for s in &sums {
+            total.iter_mut().zip(s).for_each(|(t, x)| *t += x);
+        }
+        self.code_center = total.iter().map(|&s| (s / n as f64) as f32).collect();
+        self.sq_norms = sq_norms;
+        self.proj = proj;
         self.ids = ids.to_vec();
         self.tags = vec![0; n];
         self.id_map = ids.iter().enumerate().map(|(s, &id)| (id, s as u32)).collect();
