@@ -24,6 +24,9 @@ const UPPER_REGROW: usize = 20;
 const REFINE_CHOICES: usize = 4;
 /// Rows per task of the build's first pass over the keys (norms, projections, mean).
 const PREP_ROWS: usize = 4096;
+/// Most cells a tier may have for the build to score a chunk of points against all of them at
+/// once (`upper_nearness`); larger tiers are scored point by point, only the cells met.
+const DENSE_CELLS: usize = 256;
 /// Points per task of the build's grouped scoring: enough to share tiles (each chosen cell
 /// gets dozens), few enough that their keys stay in cache between descent and scoring.
 const BUILD_CHUNK: usize = 512;
@@ -65,6 +68,8 @@ struct Below {
 struct BuildScratch {
     descent: Descent,
     pairs: Vec<u64>,
+    /// Per tier, `upper_nearness`'s matrix for the chunk.
+    upper: Vec<Vec<f32>>,
     slots: Vec<u32>,
     dots: Vec<f32>,
 }
@@ -361,9 +366,23 @@ impl DciIndex {
             .par_chunks(BUILD_CHUNK)
             .map_init(BuildScratch::default, |s, xs| {
                 // (chosen cell, point) pairs, sorted: a cell's points in a run, in point order.
+                self.upper_nearness(t, xs, &mut s.upper);
                 s.pairs.clear();
                 for (i, &x) in xs.iter().enumerate() {
-                    self.choose(t, &|_| BUILD_COVER, &self.route_nearness(x), &mut s.descent);
+                    let near = self.route_nearness(x);
+                    let upper = &s.upper;
+                    let score = |u: usize, cells: &[u32], out: &mut [f32]| {
+                        let m = &upper[u];
+                        if m.is_empty() {
+                            near(u, cells, out);
+                        } else {
+                            let row = &m[i * self.tiers[u].cells.len()..];
+                            for (o, &c) in out.iter_mut().zip(cells) {
+                                *o = row[c as usize];
+                            }
+                        }
+                    };
+                    self.choose(t, &|_| BUILD_COVER, &score, &mut s.descent);
                     s.pairs.extend(s.descent.chosen.iter().map(|&c| (c as u64) << 32 | i as u64));
                 }
                 s.pairs.sort_unstable();
@@ -393,6 +412,32 @@ impl DciIndex {
             })
             .collect();
         chunks.concat()
+    }
+
+    /// For `build_near`: the nearness of each of `xs` to every cell of each tier that `choose`
+    /// scores (above `t + 1`, below the top), as a `[xs, cells]` matrix per tier, when the tier
+    /// has at most `DENSE_CELLS` cells (else left empty: points score their candidates alone).
+    /// Upper tiers are small, and one tiled product for a chunk of points costs less than each
+    /// point gathering the routes it meets on the way down.
+    fn upper_nearness(&self, t: usize, xs: &[u32], upper: &mut Vec<Vec<f32>>) {
+        let d = self.cfg.dim;
+        upper.resize_with(self.tiers.len(), Vec::new);
+        for (u, m) in upper.iter_mut().enumerate() {
+            m.clear();
+            let tier = &self.tiers[u];
+            let nc = tier.cells.len();
+            if u <= t || u + 1 >= self.tiers.len() || nc > DENSE_CELLS {
+                continue;
+            }
+            m.resize(xs.len() * nc, 0.0);
+            simd::dot_cross(d, &self.keys, xs, &tier.routes, m);
+            for (row, &x) in m.chunks_exact_mut(nc).zip(xs) {
+                let terms = self.terms(x);
+                for ((o, &sq), &extra) in row.iter_mut().zip(&tier.route_sq).zip(&tier.route_extra) {
+                    *o = terms.nearness(*o, sq, extra);
+                }
+            }
+        }
     }
 
     /// The tier-`t` cell a new member `x` joins: of the cells nearest to it, the one whose
