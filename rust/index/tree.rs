@@ -79,15 +79,8 @@ impl DciIndex {
 
     fn new_cell(&mut self, t: usize, owner: u32) -> u32 {
         let d = self.cfg.dim;
-        let nd = self.cfg.num_dirs();
         let tier = &mut self.tiers[t];
-        let cell = Cell {
-            live: true,
-            owner,
-            sum: vec![0.0; d],
-            sorted: if t == 0 { vec![Vec::new(); nd] } else { Vec::new() },
-            ..Cell::default()
-        };
+        let cell = Cell { live: true, owner, sum: vec![0.0; d], ..Cell::default() };
         let id = if let Some(id) = tier.free_cells.pop() {
             tier.cells[id as usize] = cell;
             id
@@ -136,13 +129,34 @@ impl DciIndex {
             c.codes.extend_from_slice(&code);
             c.scales.push(scale);
             c.tags.push(self.tags[slot as usize]);
-            for j in 0..self.cfg.num_dirs() {
-                let p = self.key_proj(slot, j);
-                let arr = &mut self.tiers[0].cells[cell as usize].sorted[j];
-                let at = arr.partition_point(|e| e.0 < p);
-                arr.insert(at, (p, slot));
+            if !c.sorted.is_empty() {
+                for j in 0..self.cfg.num_dirs() {
+                    let p = self.key_proj(slot, j);
+                    let arr = &mut self.tiers[0].cells[cell as usize].sorted[j];
+                    let at = arr.partition_point(|e| e.0 < p);
+                    arr.insert(at, (p, slot));
+                }
+            } else if c.members.len() >= self.cfg.pdci_min_cell {
+                let mut c = std::mem::take(&mut self.tiers[0].cells[cell as usize]);
+                self.sort_projections(&mut c);
+                self.tiers[0].cells[cell as usize] = c;
             }
         }
+    }
+
+    /// A leaf cell's P-DCI arrays: per direction, its members sorted by projection. Only cells
+    /// of at least `pdci_min_cell` members keep them (smaller ones are scanned, never walked).
+    fn sort_projections(&self, c: &mut Cell) {
+        let mut packed = Vec::with_capacity(c.members.len());
+        c.sorted = (0..self.cfg.num_dirs())
+            .map(|j| {
+                // Sorting plain integers is several times faster than float pairs.
+                packed.clear();
+                packed.extend(c.members.iter().map(|&m| pack(self.key_proj(m, j), m)));
+                packed.sort_unstable();
+                packed.iter().map(|&p| unpack(p)).collect()
+            })
+            .collect();
     }
 
     pub(super) fn cell_add(&mut self, t: usize, cell: u32, slot: u32) {
@@ -153,8 +167,9 @@ impl DciIndex {
     pub(super) fn cell_remove(&mut self, t: usize, cell: u32, slot: u32) {
         let d = self.cfg.dim;
         let extra = self.extra(slot) as f64;
+        let walked = t == 0 && !self.tiers[0].cells[cell as usize].sorted.is_empty();
         let projs: Vec<f32> =
-            if t == 0 { (0..self.cfg.num_dirs()).map(|j| self.key_proj(slot, j)).collect() } else { Vec::new() };
+            if walked { (0..self.cfg.num_dirs()).map(|j| self.key_proj(slot, j)).collect() } else { Vec::new() };
         let tier = &mut self.tiers[t];
         let pos = tier.member_pos[slot as usize] as usize;
         let c = &mut tier.cells[cell as usize];
@@ -190,6 +205,9 @@ impl DciIndex {
                     at += 1;
                 }
                 arr.remove(at);
+            }
+            if c.members.len() < self.cfg.pdci_min_cell {
+                c.sorted = Vec::new();
             }
         }
         self.update_route(t, cell);
@@ -242,28 +260,38 @@ impl DciIndex {
     /// Codes and P-DCI arrays of every tier-0 cell, from scratch (after a build or a change of `c`).
     fn reindex_leaves(&mut self) {
         let d = self.cfg.dim;
-        let nd = self.cfg.num_dirs();
+        // Codes in slot order first (the keys stream), then copied in member order (a code is a
+        // quarter of a key): cheaper than reading the keys themselves in member order.
+        let slots = self.level.len();
+        let mut codes = vec![0i8; slots * d];
+        let mut scales = vec![0f32; slots];
+        codes.par_chunks_mut(PREP_ROWS * d).zip(scales.par_chunks_mut(PREP_ROWS)).enumerate().for_each(
+            |(i, (codes, scales))| {
+                for (j, (code, scale)) in codes.chunks_exact_mut(d).zip(scales).enumerate() {
+                    let slot = i * PREP_ROWS + j;
+                    if self.level[slot] != FREE {
+                        *scale = self.code_of(slot as u32, code);
+                    }
+                }
+            },
+        );
         let mut cells = std::mem::take(&mut self.tiers[0].cells);
         let this = &*self;
         cells.par_iter_mut().filter(|c| c.live).for_each(|c| {
             c.codes.clear();
-            c.codes.resize(c.members.len() * d, 0);
-            c.scales.clear();
-            for (code, &m) in c.codes.chunks_exact_mut(d).zip(&c.members) {
-                c.scales.push(this.code_of(m, code));
+            c.codes.reserve_exact(c.members.len() * d);
+            for &m in &c.members {
+                c.codes.extend_from_slice(&codes[m as usize * d..(m as usize + 1) * d]);
             }
+            c.scales.clear();
+            c.scales.extend(c.members.iter().map(|&m| scales[m as usize]));
             c.tags.clear();
             c.tags.extend(c.members.iter().map(|&m| this.tags[m as usize]));
-            let mut packed = Vec::with_capacity(c.members.len());
-            c.sorted = (0..nd)
-                .map(|j| {
-                    // Sorting plain integers is several times faster than float pairs.
-                    packed.clear();
-                    packed.extend(c.members.iter().map(|&m| pack(this.key_proj(m, j), m)));
-                    packed.sort_unstable();
-                    packed.iter().map(|&p| unpack(p)).collect()
-                })
-                .collect();
+            if c.members.len() >= this.cfg.pdci_min_cell {
+                this.sort_projections(c);
+            } else {
+                c.sorted = Vec::new();
+            }
         });
         self.tiers[0].cells = cells;
     }

@@ -318,29 +318,27 @@ impl HeadPages {
         let keys = hp.index.built_keys();
         let key = |t: u32| &keys[t as usize * d..(t as usize + 1) * d];
         let cells: Vec<(u32, &[u32])> = hp.index.leaf_cells().collect();
-        let split: Vec<(u32, Vec<Vec<u32>>)> = cells
+        let split: Vec<(u32, Vec<Vec<u32>>, Vec<f32>)> = cells
             .par_iter()
             .map_init(SplitScratch::default, |scratch, &(cell, members)| {
                 let mut tokens: Vec<u32> = members.iter().map(|&m| hp.index.slot_id(m) as u32).collect();
-                let mut groups = Vec::new();
-                split_pages(&mut tokens, &key, d, page_size, &mut groups, scratch);
-                (cell, groups)
+                let (mut groups, mut sums) = (Vec::new(), Vec::new());
+                split_pages(&mut tokens, &key, d, page_size, &mut groups, &mut sums, scratch);
+                (cell, groups, sums)
             })
             .collect();
         drop(cells);
-        // As `add_page` does, with the keys read from the index (a field apart from the pages).
-        for (cell, groups) in split {
+        // As `add_page` does, with the page sums the split made from the keys it gathered.
+        for (cell, groups, sums) in split {
             for tokens in groups {
                 let id = hp.pages.len() as u32;
-                let mut sum = vec![0f32; d];
                 for (slot, &t) in tokens.iter().enumerate() {
                     hp.token_page[t as usize] = (id, slot as u32);
-                    sum.iter_mut().zip(key(t)).for_each(|(a, b)| *a += b);
                 }
-                hp.page_sum.extend_from_slice(&sum);
                 hp.cell_pages.entry(cell).or_default().push(id);
                 hp.pages.push(tokens);
             }
+            hp.page_sum.extend_from_slice(&sums);
         }
         let token_page = &hp.token_page;
         hp.index.set_tags(|id| token_page[id as usize].0);
@@ -452,7 +450,8 @@ impl HeadPages {
                 let key_ref = |t: u32| &owned[&t][..];
                 let mut groups = Vec::new();
                 let half = tokens.len().div_ceil(2);
-                split_pages(&mut tokens, &key_ref, d, half, &mut groups, &mut SplitScratch::default());
+                let mut sums = Vec::new(); // `set_page` sums the pages itself
+                split_pages(&mut tokens, &key_ref, d, half, &mut groups, &mut sums, &mut SplitScratch::default());
                 debug_assert_eq!(groups.len(), 2);
                 let second = groups.pop().unwrap();
                 let first = groups.pop().unwrap();

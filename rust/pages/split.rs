@@ -20,19 +20,17 @@ pub(crate) struct SplitScratch {
 }
 
 /// Splits `items` into groups of at most `max` (appended to `out`), neighbours in key space
-/// together. `key(t)` gives item `t`'s `dim` floats.
+/// together, and appends each group's key sum (`dim` floats, summed in group order) to `sums`.
+/// `key(t)` gives item `t`'s `dim` floats.
 pub(crate) fn split_pages<'k>(
     items: &mut [u32],
     key: &impl Fn(u32) -> &'k [f32],
     dim: usize,
     max: usize,
     out: &mut Vec<Vec<u32>>,
+    sums: &mut Vec<f32>,
     s: &mut SplitScratch,
 ) {
-    if items.len() <= max {
-        out.push(items.to_vec());
-        return;
-    }
     let mut rows = std::mem::take(&mut s.rows);
     let mut spare = std::mem::take(&mut s.spare);
     rows.clear();
@@ -40,7 +38,7 @@ pub(crate) fn split_pages<'k>(
         rows.extend_from_slice(key(t));
     }
     spare.resize(rows.len(), 0.0);
-    split_rows(items, &mut rows, &mut spare, dim, max, out, s);
+    split_rows(items, &mut rows, &mut spare, dim, max, (out, sums), s);
     s.rows = rows;
     s.spare = spare;
 }
@@ -54,12 +52,17 @@ fn split_rows(
     spare: &mut [f32],
     dim: usize,
     max: usize,
-    out: &mut Vec<Vec<u32>>,
+    (out, sums): (&mut Vec<Vec<u32>>, &mut Vec<f32>),
     s: &mut SplitScratch,
 ) {
     let n = items.len();
     if n <= max {
         out.push(items.to_vec());
+        let at = sums.len();
+        sums.resize(at + dim, 0.0);
+        for r in rows.chunks_exact(dim) {
+            sums[at..].iter_mut().zip(r).for_each(|(a, b)| *a += b);
+        }
         return;
     }
     let pages = n.div_ceil(max);
@@ -83,8 +86,8 @@ fn split_rows(
     let (li, ri) = items.split_at_mut(left);
     let (lr, rr) = spare.split_at_mut(left * dim);
     let (ls, rs) = rows.split_at_mut(left * dim);
-    split_rows(li, lr, ls, dim, max, out, s);
-    split_rows(ri, rr, rs, dim, max, out, s);
+    split_rows(li, lr, ls, dim, max, (&mut *out, &mut *sums), s);
+    split_rows(ri, rr, rs, dim, max, (out, sums), s);
 }
 
 /// Top principal direction of `rows` (into `s.axis`; a few power-iteration steps from the
@@ -137,7 +140,16 @@ mod tests {
         for n in [1usize, 16, 17, 33, 50, 100] {
             let mut items: Vec<u32> = (0..n as u32).collect();
             let mut out = Vec::new();
-            split_pages(&mut items, &key, dim, 16, &mut out, &mut SplitScratch::default());
+            let mut sums = Vec::new();
+            split_pages(&mut items, &key, dim, 16, &mut out, &mut sums, &mut SplitScratch::default());
+            assert_eq!(sums.len(), out.len() * dim);
+            for (g, sum) in out.iter().zip(sums.chunks_exact(dim)) {
+                let mut want = vec![0f32; dim];
+                for &t in g {
+                    want.iter_mut().zip(key(t)).for_each(|(a, b)| *a += b);
+                }
+                assert_eq!(sum, &want[..]);
+            }
             assert_eq!(out.len(), n.div_ceil(16));
             let mut all: Vec<u32> = out.iter().flatten().copied().collect();
             all.sort_unstable();
