@@ -572,9 +572,8 @@ impl DciIndex {
     fn assign_tier(&mut self, t: usize) {
         let others: Vec<u32> = (0..self.level.len() as u32).filter(|&s| self.level[s as usize] as usize == t).collect();
         let near = self.build_near(t, &others);
-        for (&x, cs) in others.iter().zip(&near) {
-            self.cell_push(t, cs[0], x, false);
-        }
+        let first: Vec<u32> = near.iter().map(|cs| cs[0]).collect();
+        self.push_members(t, &others, &first);
         self.update_routes(t);
         let this = &*self;
         let refined: Vec<u32> = others
@@ -590,10 +589,52 @@ impl DciIndex {
             })
             .collect();
         self.reset_tier_to_owners(t);
-        for (&x, &c) in others.iter().zip(&refined) {
-            self.cell_push(t, c, x, false);
-        }
+        self.push_members(t, &others, &refined);
         self.update_routes(t);
+    }
+
+    /// `cell_push(t, cells[i], points[i], false)` for each `i` in order (routes not updated), in
+    /// bulk: the points grouped by cell with a counting sort, then each cell's members and sums
+    /// extended at once (in parallel over cells; the same sums, added in the same order).
+    fn push_members(&mut self, t: usize, points: &[u32], cells: &[u32]) {
+        let num_cells = self.tiers[t].cells.len();
+        let mut start = vec![0usize; num_cells + 1];
+        for &c in cells {
+            start[c as usize + 1] += 1;
+        }
+        for i in 0..num_cells {
+            start[i + 1] += start[i];
+        }
+        let mut grouped = vec![0u32; points.len()];
+        let mut next = start.clone();
+        for (&x, &c) in points.iter().zip(cells) {
+            grouped[next[c as usize]] = x;
+            next[c as usize] += 1;
+        }
+        let mut tier_cells = std::mem::take(&mut self.tiers[t].cells);
+        let this = &*self;
+        tier_cells.par_iter_mut().enumerate().for_each(|(c, cell)| {
+            let group = &grouped[start[c]..start[c + 1]];
+            if group.is_empty() {
+                return;
+            }
+            cell.members.extend_from_slice(group);
+            for &x in group {
+                cell.sum.iter_mut().zip(this.key(x)).for_each(|(s, &v)| *s += v as f64);
+                cell.sum_extra += this.extra(x) as f64;
+            }
+        });
+        let tier = &mut self.tiers[t];
+        for (c, cell) in tier_cells.iter().enumerate() {
+            let group = &grouped[start[c]..start[c + 1]];
+            let first = cell.members.len() - group.len();
+            for (i, &x) in group.iter().enumerate() {
+                tier.member_cell[x as usize] = c as u32;
+                tier.member_pos[x as usize] = (first + i) as u32;
+            }
+        }
+        tier.num_members += points.len();
+        tier.cells = tier_cells;
     }
 
     /// Rebuilds tiers `lowest..top` as a bulk build makes them, top-down, with every point
