@@ -55,10 +55,12 @@ impl Terms {
     }
 }
 
-/// The cells one tier below a cell, with their routes laid out for `dot_cross`.
+/// The cells one tier below a cell, with their routes laid out for `dot_cross_cols`.
 struct Below {
     cells: Vec<u32>,
+    /// By column (`simd::columns`), `stride` floats per dimension.
     routes: Vec<f32>,
+    stride: usize,
     sq: Vec<f32>,
     extra: Vec<f32>,
 }
@@ -382,8 +384,11 @@ impl DciIndex {
             .map(|c| {
                 let cells: Vec<u32> = self.cells_below(t + 1, c).collect();
                 let tier = &self.tiers[t];
+                let routes: Vec<f32> = cells.iter().flat_map(|&b| tier.route(b, d)).copied().collect();
+                let (routes, stride) = simd::columns(&routes, d);
                 Below {
-                    routes: cells.iter().flat_map(|&b| tier.route(b, d)).copied().collect(),
+                    routes,
+                    stride,
                     sq: cells.iter().map(|&b| tier.route_sq[b as usize]).collect(),
                     extra: cells.iter().map(|&b| tier.route_extra[b as usize]).collect(),
                     cells,
@@ -424,7 +429,7 @@ impl DciIndex {
                     s.slots.clear();
                     s.slots.extend(run.iter().map(|&p| xs[p as u32 as usize]));
                     s.dots.resize(s.slots.len() * nb, 0.0);
-                    simd::dot_cross(d, &self.keys, &s.slots, &b.routes, &mut s.dots);
+                    simd::dot_cross_cols(d, &self.keys, &s.slots, &b.routes, b.stride, nb, &mut s.dots);
                     for ((&p, &x), row) in run.iter().zip(&s.slots).zip(s.dots.chunks_exact_mut(nb)) {
                         let terms = self.terms(x);
                         for ((o, &sq), &extra) in row.iter_mut().zip(&b.sq).zip(&b.extra) {
