@@ -87,7 +87,7 @@ impl HeadForest {
         let d = cfg.dim;
         ensure!(keys.len().is_multiple_of(d), "keys: {} values are not a whole number of rows of dim {d}", keys.len());
         let rows = keys.len() / d;
-        ensure!(rows % num_heads == 0, "keys: {rows} rows do not split into {num_heads} heads");
+        ensure!(rows.is_multiple_of(num_heads), "keys: {rows} rows do not split into {num_heads} heads");
         let n = rows / num_heads;
         ensure!(n >= 1, "keys must hold at least one token per head");
         ensure!(n < u32::MAX as usize / 2, "too many tokens per head: {n}");
