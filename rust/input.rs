@@ -27,15 +27,31 @@ impl<'a> KeyData<'a> {
         self.len() == 0
     }
 
+    /// The values `range` of the block (a whole number of rows, for a sub-block of rows).
+    pub fn part(&self, range: std::ops::Range<usize>) -> KeyData<'a> {
+        match *self {
+            KeyData::F32(s) => KeyData::F32(&s[range]),
+            KeyData::F16(s) => KeyData::F16(&s[range]),
+            KeyData::Bf16(s) => KeyData::Bf16(&s[range]),
+        }
+    }
+
     /// A copy of the keys as f32 that the core owns. Always a copy: the caller's buffer may
     /// change while a call runs (another thread writing a NumPy array), and what a call
     /// validates must be what it uses.
     pub fn to_f32_vec(&self) -> Vec<f32> {
+        self.to_f32_vec_with_room(0)
+    }
+
+    /// `to_f32_vec` with capacity for `room` more values (an index grows its copy in place).
+    pub fn to_f32_vec_with_room(&self, room: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.len() + room);
         match *self {
-            KeyData::F32(s) => s.to_vec(),
-            KeyData::F16(s) => s.iter().map(|x| x.to_f32()).collect(),
-            KeyData::Bf16(s) => s.iter().map(|x| x.to_f32()).collect(),
+            KeyData::F32(s) => out.extend_from_slice(s),
+            KeyData::F16(s) => out.extend(s.iter().map(|x| x.to_f32())),
+            KeyData::Bf16(s) => out.extend(s.iter().map(|x| x.to_f32())),
         }
+        out
     }
 }
 

@@ -208,6 +208,67 @@ pub fn dot_cross(dim: usize, a: &[f32], ia: &[u32], b: &[f32], out: &mut [f32]) 
     }
 }
 
+/// Dot products of chosen rows of `a` with the `nb` rows of `b` given by column: `bt` is
+/// `[dim, stride]` (`bt[k * stride + j]` = `b[j][k]`, `stride` a multiple of 16 that is at least
+/// `nb`); `out[i * nb + j] = a[ia[i]] · b[j]`. Each product sums in index order, in one lane, so
+/// no horizontal sums are needed: eight rows of `a` at a time, each value broadcast against 16
+/// columns of `b`.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn dot_cross_cols(dim: usize, a: &[f32], ia: &[u32], bt: &[f32], stride: usize, nb: usize, out: &mut [f32]) {
+    debug_assert!(stride.is_multiple_of(16) && stride >= nb && bt.len() >= dim * stride);
+    let arow = |i: u32| &a[i as usize * dim..(i as usize + 1) * dim];
+    let mut groups = ia.chunks_exact(8);
+    let mut outs = out.chunks_exact_mut(8 * nb);
+    for (ix, o) in (&mut groups).zip(&mut outs) {
+        let rows =
+            [arow(ix[0]), arow(ix[1]), arow(ix[2]), arow(ix[3]), arow(ix[4]), arow(ix[5]), arow(ix[6]), arow(ix[7])];
+        for j0 in (0..nb).step_by(16) {
+            let mut acc = [[0f32; 16]; 8];
+            for k in 0..dim {
+                let col: &[f32; 16] = bt[k * stride + j0..k * stride + j0 + 16].try_into().unwrap();
+                for (acc, row) in acc.iter_mut().zip(&rows) {
+                    let x = row[k];
+                    for l in 0..16 {
+                        acc[l] = x.mul_add(col[l], acc[l]);
+                    }
+                }
+            }
+            let w = (nb - j0).min(16);
+            for (p, acc) in acc.iter().enumerate() {
+                o[p * nb + j0..p * nb + j0 + w].copy_from_slice(&acc[..w]);
+            }
+        }
+    }
+    for (&i, o) in groups.remainder().iter().zip(outs.into_remainder().chunks_exact_mut(nb)) {
+        let row = arow(i);
+        for j0 in (0..nb).step_by(16) {
+            let mut acc = [0f32; 16];
+            for (k, &x) in row.iter().enumerate() {
+                let col = &bt[k * stride + j0..k * stride + j0 + 16];
+                for l in 0..16 {
+                    acc[l] = x.mul_add(col[l], acc[l]);
+                }
+            }
+            let w = (nb - j0).min(16);
+            o[j0..j0 + w].copy_from_slice(&acc[..w]);
+        }
+    }
+}
+
+/// `rows` (`[n, dim]`) by column, for `dot_cross_cols`: `[dim, stride]`, `stride` = `n` rounded
+/// up to 16, zero padded.
+pub fn columns(rows: &[f32], dim: usize) -> (Vec<f32>, usize) {
+    let n = rows.len() / dim;
+    let stride = n.div_ceil(16) * 16;
+    let mut bt = vec![0f32; dim * stride];
+    for (j, r) in rows.chunks_exact(dim).enumerate() {
+        for (k, &x) in r.iter().enumerate() {
+            bt[k * stride + j] = x;
+        }
+    }
+    (bt, stride)
+}
+
 /// `out += Σ coef[i] · rows[i]` over `coef.len()` consecutive rows of `out.len()` floats.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn add_scaled_rows(coef: &[f32], rows: &[f32], out: &mut [f32]) {
@@ -410,6 +471,33 @@ fn quantize_with<const CENTRED: bool>(v: &[f32], centre: &[f32], code: &mut [i8]
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_cross_cols_matches_plain_dot_products() {
+        let dim = 37;
+        let value = |i: usize| ((i * 7919) % 211) as f32 / 50.0 - 2.0;
+        let a: Vec<f32> = (0..30 * dim).map(value).collect();
+        for nb in [1usize, 15, 16, 17, 40] {
+            let b: Vec<f32> = (0..nb * dim).map(|i| value(i + 13)).collect();
+            let (bt, stride) = columns(&b, dim);
+            for rows in [1usize, 7, 8, 9, 20] {
+                let ia: Vec<u32> = (0..rows as u32).map(|i| (i * 11) % 30).collect();
+                let mut out = vec![f32::NAN; rows * nb];
+                dot_cross_cols(dim, &a, &ia, &bt, stride, nb, &mut out);
+                for (i, &r) in ia.iter().enumerate() {
+                    for j in 0..nb {
+                        let ar = &a[r as usize * dim..(r as usize + 1) * dim];
+                        let want: f32 = ar.iter().zip(&b[j * dim..(j + 1) * dim]).map(|(x, y)| x * y).sum();
+                        let got = out[i * nb + j];
+                        assert!(
+                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "nb {nb} rows {rows}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn softmax_numerators_match_exp() {

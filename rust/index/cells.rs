@@ -20,7 +20,8 @@ pub(super) struct Cell {
     /// Tier 0 only: int8 codes of the members (row `i` = `members[i]`) and their scales.
     pub codes: Vec<i8>,
     pub scales: Vec<f32>,
-    /// Tier 0 only: per P-DCI direction, `(projection, slot)` sorted by projection.
+    /// Tier 0 only, and only cells of `Config::pdci_min_cell` members or more (empty otherwise):
+    /// per P-DCI direction, `(projection, slot)` sorted by projection.
     pub sorted: Vec<Vec<(f32, u32)>>,
     /// Tier 0 only: the members' tags (`DciIndex::tags`), in member order.
     #[serde(skip)]

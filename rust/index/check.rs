@@ -164,9 +164,9 @@ impl DciIndex {
         Ok(())
     }
 
-    /// Leaf cell `ci`: codes and scales for every member, and `nd` sorted projections, each a
-    /// permutation of the members holding the values `key_proj` computes (removals look an
-    /// entry up by that value).
+    /// Leaf cell `ci`: codes and scales for every member, and, if it has `pdci_min_cell` members
+    /// or more, `nd` sorted projections (none otherwise), each a permutation of the members
+    /// holding the values `key_proj` computes (removals look an entry up by that value).
     fn check_leaf(&self, ci: usize, nd: usize) -> Check {
         let d = self.cfg.dim;
         let leaves = &self.tiers[0];
@@ -177,7 +177,7 @@ impl DciIndex {
                 && c.scales.len() == n
                 && c.scales.iter().all(|x| x.is_finite())
                 && c.tags.len() == n
-                && c.sorted.len() == nd,
+                && c.sorted.len() == if n >= self.cfg.pdci_min_cell { nd } else { 0 },
             "leaf cell {ci} is inconsistent"
         );
         let mut seen = vec![false; n];

@@ -307,7 +307,7 @@ impl DciIndex {
         }
         let keys = self.shift_rows(keys);
         if self.len == 0 {
-            self.build(&keys, &ids);
+            self.build(keys, &ids);
         } else {
             for (row, &id) in keys.chunks_exact(self.cfg.dim).zip(&ids) {
                 self.insert(row, id);
@@ -430,12 +430,18 @@ impl DciIndex {
     // ---- views for the page layer ----
 
     /// Bulk build of an empty inner-product index under ids `0..n`, for keys the caller has
-    /// validated already (`check_rows`): the checks of `add` would only repeat its work.
-    pub(crate) fn build_positions(&mut self, keys: &[f32]) {
+    /// validated already (`check_rows`): the checks of `add` would only repeat its work. The
+    /// index keeps `keys` as its copy; point `i` is slot `i` (`built_keys`).
+    pub(crate) fn build_positions(&mut self, keys: Vec<f32>) {
         debug_assert!(self.len == 0 && self.cfg.metric == Metric::InnerProduct && !keys.is_empty());
         let ids: Vec<i64> = (0..(keys.len() / self.cfg.dim) as i64).collect();
         self.build(keys, &ids);
         self.next_id = ids.len() as i64;
+    }
+
+    /// The keys of every slot, `[slots, dim]`; after `build_positions`, row `i` is point `i`.
+    pub(crate) fn built_keys(&self) -> &[f32] {
+        &self.keys
     }
 
     /// Live leaf (tier-0) cells: `(cell id, member slots)`.

@@ -164,6 +164,11 @@ impl DciIndex {
         if let Some(leaves) = index.tiers.first_mut() {
             for c in &mut leaves.cells {
                 c.tags = vec![0; c.members.len()];
+                // Files of earlier builds hold P-DCI arrays for every leaf cell; only cells of
+                // `pdci_min_cell` members or more keep them now.
+                if c.members.len() < index.cfg.pdci_min_cell {
+                    c.sorted = Vec::new();
+                }
             }
         }
         index.check_structure().map_err(|why| corrupt(&why))?;

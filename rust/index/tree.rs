@@ -22,6 +22,11 @@ const REGROW_MIN: usize = 512;
 const UPPER_REGROW: usize = 20;
 /// Cells the build's refinement round chooses among for each point.
 const REFINE_CHOICES: usize = 4;
+/// Rows per task of the build's first pass over the keys (norms, projections, mean).
+const PREP_ROWS: usize = 4096;
+/// Most cells a tier may have for the build to score a chunk of points against all of them at
+/// once (`upper_nearness`); larger tiers are scored point by point, only the cells met.
+const DENSE_CELLS: usize = 256;
 /// Points per task of the build's grouped scoring: enough to share tiles (each chosen cell
 /// gets dozens), few enough that their keys stay in cache between descent and scoring.
 const BUILD_CHUNK: usize = 512;
@@ -50,10 +55,12 @@ impl Terms {
     }
 }
 
-/// The cells one tier below a cell, with their routes laid out for `dot_cross`.
+/// The cells one tier below a cell, with their routes laid out for `dot_cross_cols`.
 struct Below {
     cells: Vec<u32>,
+    /// By column (`simd::columns`), `stride` floats per dimension.
     routes: Vec<f32>,
+    stride: usize,
     sq: Vec<f32>,
     extra: Vec<f32>,
 }
@@ -63,6 +70,8 @@ struct Below {
 struct BuildScratch {
     descent: Descent,
     pairs: Vec<u64>,
+    /// Per tier, `upper_nearness`'s matrix for the chunk.
+    upper: Vec<Vec<f32>>,
     slots: Vec<u32>,
     dots: Vec<f32>,
 }
@@ -72,15 +81,8 @@ impl DciIndex {
 
     fn new_cell(&mut self, t: usize, owner: u32) -> u32 {
         let d = self.cfg.dim;
-        let nd = self.cfg.num_dirs();
         let tier = &mut self.tiers[t];
-        let cell = Cell {
-            live: true,
-            owner,
-            sum: vec![0.0; d],
-            sorted: if t == 0 { vec![Vec::new(); nd] } else { Vec::new() },
-            ..Cell::default()
-        };
+        let cell = Cell { live: true, owner, sum: vec![0.0; d], ..Cell::default() };
         let id = if let Some(id) = tier.free_cells.pop() {
             tier.cells[id as usize] = cell;
             id
@@ -129,13 +131,34 @@ impl DciIndex {
             c.codes.extend_from_slice(&code);
             c.scales.push(scale);
             c.tags.push(self.tags[slot as usize]);
-            for j in 0..self.cfg.num_dirs() {
-                let p = self.key_proj(slot, j);
-                let arr = &mut self.tiers[0].cells[cell as usize].sorted[j];
-                let at = arr.partition_point(|e| e.0 < p);
-                arr.insert(at, (p, slot));
+            if !c.sorted.is_empty() {
+                for j in 0..self.cfg.num_dirs() {
+                    let p = self.key_proj(slot, j);
+                    let arr = &mut self.tiers[0].cells[cell as usize].sorted[j];
+                    let at = arr.partition_point(|e| e.0 < p);
+                    arr.insert(at, (p, slot));
+                }
+            } else if c.members.len() >= self.cfg.pdci_min_cell {
+                let mut c = std::mem::take(&mut self.tiers[0].cells[cell as usize]);
+                self.sort_projections(&mut c);
+                self.tiers[0].cells[cell as usize] = c;
             }
         }
+    }
+
+    /// A leaf cell's P-DCI arrays: per direction, its members sorted by projection. Only cells
+    /// of at least `pdci_min_cell` members keep them (smaller ones are scanned, never walked).
+    fn sort_projections(&self, c: &mut Cell) {
+        let mut packed = Vec::with_capacity(c.members.len());
+        c.sorted = (0..self.cfg.num_dirs())
+            .map(|j| {
+                // Sorting plain integers is several times faster than float pairs.
+                packed.clear();
+                packed.extend(c.members.iter().map(|&m| pack(self.key_proj(m, j), m)));
+                packed.sort_unstable();
+                packed.iter().map(|&p| unpack(p)).collect()
+            })
+            .collect();
     }
 
     pub(super) fn cell_add(&mut self, t: usize, cell: u32, slot: u32) {
@@ -146,8 +169,9 @@ impl DciIndex {
     pub(super) fn cell_remove(&mut self, t: usize, cell: u32, slot: u32) {
         let d = self.cfg.dim;
         let extra = self.extra(slot) as f64;
+        let walked = t == 0 && !self.tiers[0].cells[cell as usize].sorted.is_empty();
         let projs: Vec<f32> =
-            if t == 0 { (0..self.cfg.num_dirs()).map(|j| self.key_proj(slot, j)).collect() } else { Vec::new() };
+            if walked { (0..self.cfg.num_dirs()).map(|j| self.key_proj(slot, j)).collect() } else { Vec::new() };
         let tier = &mut self.tiers[t];
         let pos = tier.member_pos[slot as usize] as usize;
         let c = &mut tier.cells[cell as usize];
@@ -183,6 +207,9 @@ impl DciIndex {
                     at += 1;
                 }
                 arr.remove(at);
+            }
+            if c.members.len() < self.cfg.pdci_min_cell {
+                c.sorted = Vec::new();
             }
         }
         self.update_route(t, cell);
@@ -235,28 +262,38 @@ impl DciIndex {
     /// Codes and P-DCI arrays of every tier-0 cell, from scratch (after a build or a change of `c`).
     fn reindex_leaves(&mut self) {
         let d = self.cfg.dim;
-        let nd = self.cfg.num_dirs();
+        // Codes in slot order first (the keys stream), then copied in member order (a code is a
+        // quarter of a key): cheaper than reading the keys themselves in member order.
+        let slots = self.level.len();
+        let mut codes = vec![0i8; slots * d];
+        let mut scales = vec![0f32; slots];
+        codes.par_chunks_mut(PREP_ROWS * d).zip(scales.par_chunks_mut(PREP_ROWS)).enumerate().for_each(
+            |(i, (codes, scales))| {
+                for (j, (code, scale)) in codes.chunks_exact_mut(d).zip(scales).enumerate() {
+                    let slot = i * PREP_ROWS + j;
+                    if self.level[slot] != FREE {
+                        *scale = self.code_of(slot as u32, code);
+                    }
+                }
+            },
+        );
         let mut cells = std::mem::take(&mut self.tiers[0].cells);
         let this = &*self;
         cells.par_iter_mut().filter(|c| c.live).for_each(|c| {
             c.codes.clear();
-            c.codes.resize(c.members.len() * d, 0);
-            c.scales.clear();
-            for (code, &m) in c.codes.chunks_exact_mut(d).zip(&c.members) {
-                c.scales.push(this.code_of(m, code));
+            c.codes.reserve_exact(c.members.len() * d);
+            for &m in &c.members {
+                c.codes.extend_from_slice(&codes[m as usize * d..(m as usize + 1) * d]);
             }
+            c.scales.clear();
+            c.scales.extend(c.members.iter().map(|&m| scales[m as usize]));
             c.tags.clear();
             c.tags.extend(c.members.iter().map(|&m| this.tags[m as usize]));
-            let mut packed = Vec::with_capacity(c.members.len());
-            c.sorted = (0..nd)
-                .map(|j| {
-                    // Sorting plain integers is several times faster than float pairs.
-                    packed.clear();
-                    packed.extend(c.members.iter().map(|&m| pack(this.key_proj(m, j), m)));
-                    packed.sort_unstable();
-                    packed.iter().map(|&p| unpack(p)).collect()
-                })
-                .collect();
+            if c.members.len() >= this.cfg.pdci_min_cell {
+                this.sort_projections(c);
+            } else {
+                c.sorted = Vec::new();
+            }
         });
         self.tiers[0].cells = cells;
     }
@@ -347,8 +384,11 @@ impl DciIndex {
             .map(|c| {
                 let cells: Vec<u32> = self.cells_below(t + 1, c).collect();
                 let tier = &self.tiers[t];
+                let routes: Vec<f32> = cells.iter().flat_map(|&b| tier.route(b, d)).copied().collect();
+                let (routes, stride) = simd::columns(&routes, d);
                 Below {
-                    routes: cells.iter().flat_map(|&b| tier.route(b, d)).copied().collect(),
+                    routes,
+                    stride,
                     sq: cells.iter().map(|&b| tier.route_sq[b as usize]).collect(),
                     extra: cells.iter().map(|&b| tier.route_extra[b as usize]).collect(),
                     cells,
@@ -359,9 +399,23 @@ impl DciIndex {
             .par_chunks(BUILD_CHUNK)
             .map_init(BuildScratch::default, |s, xs| {
                 // (chosen cell, point) pairs, sorted: a cell's points in a run, in point order.
+                self.upper_nearness(t, xs, &mut s.upper);
                 s.pairs.clear();
                 for (i, &x) in xs.iter().enumerate() {
-                    self.choose(t, &|_| BUILD_COVER, &self.route_nearness(x), &mut s.descent);
+                    let near = self.route_nearness(x);
+                    let upper = &s.upper;
+                    let score = |u: usize, cells: &[u32], out: &mut [f32]| {
+                        let m = &upper[u];
+                        if m.is_empty() {
+                            near(u, cells, out);
+                        } else {
+                            let row = &m[i * self.tiers[u].cells.len()..];
+                            for (o, &c) in out.iter_mut().zip(cells) {
+                                *o = row[c as usize];
+                            }
+                        }
+                    };
+                    self.choose(t, &|_| BUILD_COVER, &score, &mut s.descent);
                     s.pairs.extend(s.descent.chosen.iter().map(|&c| (c as u64) << 32 | i as u64));
                 }
                 s.pairs.sort_unstable();
@@ -375,7 +429,7 @@ impl DciIndex {
                     s.slots.clear();
                     s.slots.extend(run.iter().map(|&p| xs[p as u32 as usize]));
                     s.dots.resize(s.slots.len() * nb, 0.0);
-                    simd::dot_cross(d, &self.keys, &s.slots, &b.routes, &mut s.dots);
+                    simd::dot_cross_cols(d, &self.keys, &s.slots, &b.routes, b.stride, nb, &mut s.dots);
                     for ((&p, &x), row) in run.iter().zip(&s.slots).zip(s.dots.chunks_exact_mut(nb)) {
                         let terms = self.terms(x);
                         for ((o, &sq), &extra) in row.iter_mut().zip(&b.sq).zip(&b.extra) {
@@ -391,6 +445,32 @@ impl DciIndex {
             })
             .collect();
         chunks.concat()
+    }
+
+    /// For `build_near`: the nearness of each of `xs` to every cell of each tier that `choose`
+    /// scores (above `t + 1`, below the top), as a `[xs, cells]` matrix per tier, when the tier
+    /// has at most `DENSE_CELLS` cells (else left empty: points score their candidates alone).
+    /// Upper tiers are small, and one tiled product for a chunk of points costs less than each
+    /// point gathering the routes it meets on the way down.
+    fn upper_nearness(&self, t: usize, xs: &[u32], upper: &mut Vec<Vec<f32>>) {
+        let d = self.cfg.dim;
+        upper.resize_with(self.tiers.len(), Vec::new);
+        for (u, m) in upper.iter_mut().enumerate() {
+            m.clear();
+            let tier = &self.tiers[u];
+            let nc = tier.cells.len();
+            if u <= t || u + 1 >= self.tiers.len() || nc > DENSE_CELLS {
+                continue;
+            }
+            m.resize(xs.len() * nc, 0.0);
+            simd::dot_cross(d, &self.keys, xs, &tier.routes, m);
+            for (row, &x) in m.chunks_exact_mut(nc).zip(xs) {
+                let terms = self.terms(x);
+                for ((o, &sq), &extra) in row.iter_mut().zip(&tier.route_sq).zip(&tier.route_extra) {
+                    *o = terms.nearness(*o, sq, extra);
+                }
+            }
+        }
     }
 
     /// The tier-`t` cell a new member `x` joins: of the cells nearest to it, the one whose
@@ -412,21 +492,44 @@ impl DciIndex {
 
     // ---------------------------------------------------------------- build
 
-    /// Bulk build over `keys` (`[n, dim]`) into an empty index; parallel where it pays.
-    pub(super) fn build(&mut self, keys: &[f32], ids: &[i64]) {
+    /// Bulk build over `keys` (`[n, dim]`, which the index keeps) into an empty index;
+    /// parallel where it pays.
+    pub(super) fn build(&mut self, keys: Vec<f32>, ids: &[i64]) {
         let d = self.cfg.dim;
         let nd = self.cfg.num_dirs();
         let n = ids.len();
         // Room for inserts after the build, so the first ones do not pay for a regrowth.
-        let spare = n / 8;
-        self.keys = Vec::with_capacity((n + spare) * d);
-        self.keys.extend_from_slice(keys);
-        self.sq_norms = keys.par_chunks_exact(d).map(|k| simd::dot(k, k)).collect();
+        let mut keys = keys;
+        keys.reserve_exact((n / 8) * d);
+        self.keys = keys;
+        let keys = &self.keys[..];
         // The directions without their extra component, contiguous, for blocked dot products.
         let dirs: Vec<f32> = self.dirs.chunks_exact(d + 1).flat_map(|u| &u[..d]).copied().collect();
-        self.proj = vec![0f32; n * nd];
-        self.proj.par_chunks_mut(nd).zip(keys.par_chunks_exact(d)).for_each(|(p, k)| simd::dot_rows(k, &dirs, p));
-        self.code_center = super::mean_row(keys, d);
+        // Squared norms, projections and the mean in one pass over the keys, a block of rows at
+        // a time (each block's sum apart, added in block order: the same mean on any thread count).
+        let mut sq_norms = vec![0f32; n];
+        let mut proj = vec![0f32; n * nd];
+        let sums: Vec<Vec<f64>> = sq_norms
+            .par_chunks_mut(PREP_ROWS)
+            .zip(proj.par_chunks_mut(PREP_ROWS * nd))
+            .zip(keys.par_chunks(PREP_ROWS * d))
+            .map(|((sq, p), rows)| {
+                let mut sum = vec![0f64; d];
+                for ((s, p), k) in sq.iter_mut().zip(p.chunks_exact_mut(nd)).zip(rows.chunks_exact(d)) {
+                    *s = simd::dot(k, k);
+                    simd::dot_rows(k, &dirs, p);
+                    sum.iter_mut().zip(k).for_each(|(a, &x)| *a += x as f64);
+                }
+                sum
+            })
+            .collect();
+        let mut total = vec![0f64; d];
+        for s in &sums {
+            total.iter_mut().zip(s).for_each(|(t, x)| *t += x);
+        }
+        self.code_center = total.iter().map(|&s| (s / n as f64) as f32).collect();
+        self.sq_norms = sq_norms;
+        self.proj = proj;
         self.ids = ids.to_vec();
         self.tags = vec![0; n];
         self.id_map = ids.iter().enumerate().map(|(s, &id)| (id, s as u32)).collect();
@@ -474,9 +577,8 @@ impl DciIndex {
     fn assign_tier(&mut self, t: usize) {
         let others: Vec<u32> = (0..self.level.len() as u32).filter(|&s| self.level[s as usize] as usize == t).collect();
         let near = self.build_near(t, &others);
-        for (&x, cs) in others.iter().zip(&near) {
-            self.cell_push(t, cs[0], x, false);
-        }
+        let first: Vec<u32> = near.iter().map(|cs| cs[0]).collect();
+        self.push_members(t, &others, &first);
         self.update_routes(t);
         let this = &*self;
         let refined: Vec<u32> = others
@@ -492,10 +594,52 @@ impl DciIndex {
             })
             .collect();
         self.reset_tier_to_owners(t);
-        for (&x, &c) in others.iter().zip(&refined) {
-            self.cell_push(t, c, x, false);
-        }
+        self.push_members(t, &others, &refined);
         self.update_routes(t);
+    }
+
+    /// `cell_push(t, cells[i], points[i], false)` for each `i` in order (routes not updated), in
+    /// bulk: the points grouped by cell with a counting sort, then each cell's members and sums
+    /// extended at once (in parallel over cells; the same sums, added in the same order).
+    fn push_members(&mut self, t: usize, points: &[u32], cells: &[u32]) {
+        let num_cells = self.tiers[t].cells.len();
+        let mut start = vec![0usize; num_cells + 1];
+        for &c in cells {
+            start[c as usize + 1] += 1;
+        }
+        for i in 0..num_cells {
+            start[i + 1] += start[i];
+        }
+        let mut grouped = vec![0u32; points.len()];
+        let mut next = start.clone();
+        for (&x, &c) in points.iter().zip(cells) {
+            grouped[next[c as usize]] = x;
+            next[c as usize] += 1;
+        }
+        let mut tier_cells = std::mem::take(&mut self.tiers[t].cells);
+        let this = &*self;
+        tier_cells.par_iter_mut().enumerate().for_each(|(c, cell)| {
+            let group = &grouped[start[c]..start[c + 1]];
+            if group.is_empty() {
+                return;
+            }
+            cell.members.extend_from_slice(group);
+            for &x in group {
+                cell.sum.iter_mut().zip(this.key(x)).for_each(|(s, &v)| *s += v as f64);
+                cell.sum_extra += this.extra(x) as f64;
+            }
+        });
+        let tier = &mut self.tiers[t];
+        for (c, cell) in tier_cells.iter().enumerate() {
+            let group = &grouped[start[c]..start[c + 1]];
+            let first = cell.members.len() - group.len();
+            for (i, &x) in group.iter().enumerate() {
+                tier.member_cell[x as usize] = c as u32;
+                tier.member_pos[x as usize] = (first + i) as u32;
+            }
+        }
+        tier.num_members += points.len();
+        tier.cells = tier_cells;
     }
 
     /// Rebuilds tiers `lowest..top` as a bulk build makes them, top-down, with every point

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use crate::error::{ensure, Error, Result};
 use crate::index::{Calibration, Config, DciIndex, Metric};
 use crate::input::{check_rows, KeyData};
-use split::split_pages;
+use split::{split_pages, SplitScratch};
 
 /// Allowed page sizes.
 pub const PAGE_SIZES: std::ops::RangeInclusive<usize> = 8..=64;
@@ -86,16 +86,22 @@ impl HeadForest {
         ensure!(num_heads >= 1, "keys must have at least one head");
         cfg.validate()?;
         let d = cfg.dim;
-        let keys = keys.to_f32_vec();
-        let rows = check_rows(&keys, d, "keys")?;
-        ensure!(rows % num_heads == 0, "keys: {rows} rows do not split into {num_heads} heads");
+        ensure!(keys.len().is_multiple_of(d), "keys: {} values are not a whole number of rows of dim {d}", keys.len());
+        let rows = keys.len() / d;
+        ensure!(rows.is_multiple_of(num_heads), "keys: {rows} rows do not split into {num_heads} heads");
         let n = rows / num_heads;
         ensure!(n >= 1, "keys must hold at least one token per head");
         ensure!(n < u32::MAX as usize / 2, "too many tokens per head: {n}");
-        let heads = keys
-            .par_chunks_exact(n * d)
-            .enumerate()
-            .map(|(h, head_keys)| {
+        // Each head's keys are copied (widened) once, into the tree that keeps them, and checked
+        // there: one pass over the layer's keys instead of a copy of the whole layer first.
+        let heads = (0..num_heads)
+            .into_par_iter()
+            .map(|h| {
+                let head_keys = keys.part(h * n * d..(h + 1) * n * d).to_f32_vec_with_room((n / 8) * d);
+                check_rows(&head_keys, d, "keys").map_err(|e| match e {
+                    Error::Invalid(why) => Error::Invalid(format!("{why} (head {h})")),
+                    other => other,
+                })?;
                 let mut c = cfg.clone();
                 c.seed = cfg.seed.map(|s| s.wrapping_add(h as u64));
                 HeadPages::build(head_keys, c, page_size)
@@ -333,12 +339,11 @@ impl<T: Elem> Store<'_, T> {
 }
 
 impl HeadPages {
-    fn build(keys: &[f32], cfg: Config, page_size: usize) -> Result<HeadPages> {
+    fn build(keys: Vec<f32>, cfg: Config, page_size: usize) -> Result<HeadPages> {
         let d = cfg.dim;
         let n = keys.len() / d;
         let mut index = DciIndex::new(cfg)?;
         index.build_positions(keys);
-        let key = |t: u32| &keys[t as usize * d..(t as usize + 1) * d];
         let mut hp = HeadPages {
             pages: Vec::new(),
             token_page: vec![(u32::MAX, 0); n],
@@ -347,21 +352,30 @@ impl HeadPages {
             leaf_rebuilds: 0,
             index,
         };
+        let keys = hp.index.built_keys();
+        let key = |t: u32| &keys[t as usize * d..(t as usize + 1) * d];
         let cells: Vec<(u32, &[u32])> = hp.index.leaf_cells().collect();
-        let split: Vec<(u32, Vec<Vec<u32>>)> = cells
+        let split: Vec<(u32, Vec<Vec<u32>>, Vec<f32>)> = cells
             .par_iter()
-            .map(|&(cell, members)| {
+            .map_init(SplitScratch::default, |scratch, &(cell, members)| {
                 let mut tokens: Vec<u32> = members.iter().map(|&m| hp.index.slot_id(m) as u32).collect();
-                let mut groups = Vec::new();
-                split_pages(&mut tokens, &key, d, page_size, &mut groups);
-                (cell, groups)
+                let (mut groups, mut sums) = (Vec::new(), Vec::new());
+                split_pages(&mut tokens, &key, d, page_size, &mut groups, &mut sums, scratch);
+                (cell, groups, sums)
             })
             .collect();
         drop(cells);
-        for (cell, groups) in split {
-            for g in groups {
-                hp.add_page(cell, g, &key);
+        // As `add_page` does, with the page sums the split made from the keys it gathered.
+        for (cell, groups, sums) in split {
+            for tokens in groups {
+                let id = hp.pages.len() as u32;
+                for (slot, &t) in tokens.iter().enumerate() {
+                    hp.token_page[t as usize] = (id, slot as u32);
+                }
+                hp.cell_pages.entry(cell).or_default().push(id);
+                hp.pages.push(tokens);
             }
+            hp.page_sum.extend_from_slice(&sums);
         }
         let token_page = &hp.token_page;
         hp.index.set_tags(|id| token_page[id as usize].0);
@@ -473,7 +487,8 @@ impl HeadPages {
                 let key_ref = |t: u32| &owned[&t][..];
                 let mut groups = Vec::new();
                 let half = tokens.len().div_ceil(2);
-                split_pages(&mut tokens, &key_ref, d, half, &mut groups);
+                let mut sums = Vec::new(); // `set_page` sums the pages itself
+                split_pages(&mut tokens, &key_ref, d, half, &mut groups, &mut sums, &mut SplitScratch::default());
                 debug_assert_eq!(groups.len(), 2);
                 let second = groups.pop().unwrap();
                 let first = groups.pop().unwrap();

@@ -5,69 +5,127 @@
 
 use crate::simd;
 
+/// Buffers of the splits of one task, reused from cell to cell (a cell's keys, gathered once,
+/// and their centred copies) instead of allocations at every split.
+#[derive(Default)]
+pub(crate) struct SplitScratch {
+    rows: Vec<f32>,
+    spare: Vec<f32>,
+    dots: Vec<f32>,
+    order: Vec<(f32, u32)>,
+    axis: Vec<f32>,
+    next: Vec<f32>,
+    mean: Vec<f32>,
+    items: Vec<u32>,
+}
+
 /// Splits `items` into groups of at most `max` (appended to `out`), neighbours in key space
-/// together. `key(t)` gives item `t`'s `dim` floats.
+/// together, and appends each group's key sum (`dim` floats, summed in group order) to `sums`.
+/// `key(t)` gives item `t`'s `dim` floats.
 pub(crate) fn split_pages<'k>(
     items: &mut [u32],
     key: &impl Fn(u32) -> &'k [f32],
     dim: usize,
     max: usize,
     out: &mut Vec<Vec<u32>>,
+    sums: &mut Vec<f32>,
+    s: &mut SplitScratch,
 ) {
-    if items.len() <= max {
-        out.push(items.to_vec());
-        return;
+    let mut rows = std::mem::take(&mut s.rows);
+    let mut spare = std::mem::take(&mut s.spare);
+    rows.clear();
+    for &t in items.iter() {
+        rows.extend_from_slice(key(t));
     }
-    let pages = items.len().div_ceil(max);
-    let left = max * (pages / 2);
-    let (axis, rows) = principal_axis(items, key, dim);
-    let mut dots = vec![0f32; items.len()];
-    simd::dot_rows(&axis, &rows, &mut dots);
-    let mut proj: Vec<(f32, u32)> = dots.into_iter().zip(items.iter().copied()).collect();
-    proj.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-    for (slot, (_, t)) in items.iter_mut().zip(proj) {
-        *slot = t;
-    }
-    let (l, r) = items.split_at_mut(left);
-    split_pages(l, key, dim, max, out);
-    split_pages(r, key, dim, max, out);
+    spare.resize(rows.len(), 0.0);
+    split_rows(items, &mut rows, &mut spare, dim, max, (out, sums), s);
+    s.rows = rows;
+    s.spare = spare;
 }
 
-/// Top principal direction of the items' keys (a few power-iteration steps from the direction
-/// of the item farthest from the mean: deterministic, and close after a handful of steps), and
-/// the centred keys (`[n, dim]`, in item order).
-fn principal_axis<'k>(items: &[u32], key: &impl Fn(u32) -> &'k [f32], dim: usize) -> (Vec<f32>, Vec<f32>) {
+/// `split_pages` of `items` whose keys are `rows` (in item order); `spare` (as long) is scratch.
+/// The rows follow their items through each split (by way of `spare`, whose role the two halves
+/// swap with `rows`).
+fn split_rows(
+    items: &mut [u32],
+    rows: &mut [f32],
+    spare: &mut [f32],
+    dim: usize,
+    max: usize,
+    (out, sums): (&mut Vec<Vec<u32>>, &mut Vec<f32>),
+    s: &mut SplitScratch,
+) {
     let n = items.len();
-    let mut mean = vec![0f32; dim];
-    for &t in items {
-        mean.iter_mut().zip(key(t)).for_each(|(m, x)| *m += x);
+    if n <= max {
+        out.push(items.to_vec());
+        let at = sums.len();
+        sums.resize(at + dim, 0.0);
+        for r in rows.chunks_exact(dim) {
+            sums[at..].iter_mut().zip(r).for_each(|(a, b)| *a += b);
+        }
+        return;
+    }
+    let pages = n.div_ceil(max);
+    let left = max * (pages / 2);
+    // Centred rows into `spare`, then the projections onto the principal axis.
+    principal_axis(rows, spare, dim, s);
+    s.dots.resize(n, 0.0);
+    simd::dot_rows(&s.axis, spare, &mut s.dots);
+    s.order.clear();
+    s.order.extend(s.dots.iter().copied().zip(0u32..));
+    s.order.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(items[a.1 as usize].cmp(&items[b.1 as usize])));
+    // Items and their rows in projection order (the rows into `spare`).
+    for (dst, &(_, i)) in spare.chunks_exact_mut(dim).zip(&s.order) {
+        dst.copy_from_slice(&rows[i as usize * dim..(i as usize + 1) * dim]);
+    }
+    s.items.clear();
+    s.items.extend_from_slice(items);
+    for (slot, &(_, i)) in items.iter_mut().zip(&s.order) {
+        *slot = s.items[i as usize];
+    }
+    let (li, ri) = items.split_at_mut(left);
+    let (lr, rr) = spare.split_at_mut(left * dim);
+    let (ls, rs) = rows.split_at_mut(left * dim);
+    split_rows(li, lr, ls, dim, max, (&mut *out, &mut *sums), s);
+    split_rows(ri, rr, rs, dim, max, (out, sums), s);
+}
+
+/// Top principal direction of `rows` (into `s.axis`; a few power-iteration steps from the
+/// direction of the row farthest from the mean: deterministic, and close after a handful of
+/// steps), and the centred rows (into `centred`, `[n, dim]`, in row order).
+fn principal_axis(rows: &[f32], centred: &mut [f32], dim: usize, s: &mut SplitScratch) {
+    let n = rows.len() / dim;
+    let mean = &mut s.mean;
+    mean.clear();
+    mean.resize(dim, 0.0);
+    for r in rows.chunks_exact(dim) {
+        mean.iter_mut().zip(r).for_each(|(m, x)| *m += x);
     }
     mean.iter_mut().for_each(|m| *m /= n as f32);
-    // Centred rows, contiguous, so each iteration is two SIMD passes over them.
-    let mut rows = Vec::with_capacity(n * dim);
-    for &t in items {
-        rows.extend(key(t).iter().zip(&mean).map(|(x, m)| x - m));
+    for (c, r) in centred.chunks_exact_mut(dim).zip(rows.chunks_exact(dim)) {
+        c.iter_mut().zip(r).zip(mean.iter()).for_each(|((c, x), m)| *c = x - m);
     }
-    let far = rows
+    let centred = &*centred;
+    let far = centred
         .chunks_exact(dim)
         .map(|r| simd::dot(r, r))
         .enumerate()
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .map_or(0, |(i, _)| i);
-    let mut v = rows[far * dim..(far + 1) * dim].to_vec();
-    let mut next = vec![0f32; dim];
-    let mut dots = vec![0f32; n];
+    s.axis.clear();
+    s.axis.extend_from_slice(&centred[far * dim..(far + 1) * dim]);
+    s.next.resize(dim, 0.0);
+    s.dots.resize(n, 0.0);
     for _ in 0..4 {
-        simd::dot_rows(&v, &rows, &mut dots);
-        next.fill(0.0);
-        simd::add_scaled_rows(&dots, &rows, &mut next);
-        let norm = simd::dot(&next, &next).sqrt();
+        simd::dot_rows(&s.axis, centred, &mut s.dots);
+        s.next.fill(0.0);
+        simd::add_scaled_rows(&s.dots, centred, &mut s.next);
+        let norm = simd::dot(&s.next, &s.next).sqrt();
         if norm <= f32::MIN_POSITIVE {
             break;
         }
-        v.iter_mut().zip(&next).for_each(|(a, b)| *a = b / norm);
+        s.axis.iter_mut().zip(&s.next).for_each(|(a, b)| *a = b / norm);
     }
-    (v, rows)
 }
 
 #[cfg(test)]
@@ -82,7 +140,16 @@ mod tests {
         for n in [1usize, 16, 17, 33, 50, 100] {
             let mut items: Vec<u32> = (0..n as u32).collect();
             let mut out = Vec::new();
-            split_pages(&mut items, &key, dim, 16, &mut out);
+            let mut sums = Vec::new();
+            split_pages(&mut items, &key, dim, 16, &mut out, &mut sums, &mut SplitScratch::default());
+            assert_eq!(sums.len(), out.len() * dim);
+            for (g, sum) in out.iter().zip(sums.chunks_exact(dim)) {
+                let mut want = vec![0f32; dim];
+                for &t in g {
+                    want.iter_mut().zip(key(t)).for_each(|(a, b)| *a += b);
+                }
+                assert_eq!(sum, &want[..]);
+            }
             assert_eq!(out.len(), n.div_ceil(16));
             let mut all: Vec<u32> = out.iter().flatten().copied().collect();
             all.sort_unstable();
