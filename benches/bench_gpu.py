@@ -78,6 +78,7 @@ import functools
 import inspect
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -516,6 +517,8 @@ def main(argv=None) -> int:
         )
     table = "\n".join(lines)
     print(table, flush=True)
+    # Peak host memory of the whole run (every variant's caches are alive until the end).
+    log(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
