@@ -96,6 +96,17 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def save_results(out: Path, name: str, md: str, payload: dict) -> None:
+    """Print ``md`` and save it with ``payload`` as JSON, as ``name-<timestamp>.{md,json}`` in ``out``."""
+    print(md)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    jpath = out / f"{name}-{stamp}.json"
+    jpath.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    (out / f"{name}-{stamp}.md").write_text(md if md.endswith("\n") else md + "\n")
+    log(f"wrote {jpath}")
+
+
 def as_f32(a: np.ndarray) -> np.ndarray:
     """float32 from float32 / float16 / bfloat16-as-uint16 (or float64) arrays."""
     if a.dtype == np.uint16:  # bf16 bits
@@ -748,14 +759,7 @@ def main(argv=None):
         ]
     )
     md = "\n\n".join([header, markdown_table(rows, args.k), tgt_text]) + "\n"
-    print(md)
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    jpath = args.out / f"bench_index-{args.data}-{stamp}.json"
-    jpath.write_text(json.dumps(dict(meta=meta, rows=rows, targets=tgt), indent=2, default=str) + "\n")
-    (args.out / f"bench_index-{args.data}-{stamp}.md").write_text(md)
-    log(f"wrote {jpath}")
+    save_results(args.out, f"bench_index-{args.data}", md, dict(meta=meta, rows=rows, targets=tgt))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -915,13 +919,7 @@ def calibrate_main(args, argv) -> None:
             calibrate_markdown(rows, args.k),
         ]
     )
-    print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    jpath = args.out / f"bench_index-calibrate-{stamp}.json"
-    jpath.write_text(json.dumps(dict(command=command, machine=m, versions=v, rows=rows), indent=2) + "\n")
-    (args.out / f"bench_index-calibrate-{stamp}.md").write_text(md + "\n")
-    log(f"wrote {jpath}")
+    save_results(args.out, "bench_index-calibrate", md, dict(command=command, machine=m, versions=v, rows=rows))
 
 
 def calibrate_markdown(rows: list, k: int) -> str:
@@ -1014,13 +1012,9 @@ def growth_main(args, argv) -> None:
             growth_markdown(results),
         ]
     )
-    print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    jpath = args.out / f"bench_index-growth-{args.data}-{stamp}.json"
-    jpath.write_text(json.dumps(dict(command=command, machine=m, versions=v, results=results), indent=2) + "\n")
-    (args.out / f"bench_index-growth-{args.data}-{stamp}.md").write_text(md + "\n")
-    log(f"wrote {jpath}")
+    save_results(
+        args.out, f"bench_index-growth-{args.data}", md, dict(command=command, machine=m, versions=v, results=results)
+    )
 
 
 if __name__ == "__main__":
