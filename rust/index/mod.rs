@@ -52,6 +52,13 @@ pub use search::Scratch;
 pub const MAX_DIM: usize = 4096;
 /// Most levels a tree may have (the promotion list is at most this long minus one).
 pub const MAX_LEVELS: usize = 16;
+/// Room (in values) that a bulk build of `n` keys of `dim` keeps in its key copy for inserts
+/// after it, an eighth more rows, so that the first inserts do not pay for a regrowth. Callers
+/// that make the copy reserve it up front, so the build does not reallocate.
+pub(crate) const fn build_room(n: usize, dim: usize) -> usize {
+    (n / 8) * dim
+}
+
 /// Headroom applied to `c` when a larger key arrives, so that growth re-derivations stay rare.
 const C_HEADROOM: f32 = 1.05;
 

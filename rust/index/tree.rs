@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use super::cells::{Cell, Tier, NONE};
 use super::descent::Descent;
 use super::rank::{insert_best, pack, unpack};
-use super::{DciIndex, Metric, C_HEADROOM, FREE};
+use super::{build_room, DciIndex, Metric, C_HEADROOM, FREE};
 use crate::simd;
 
 /// Members a build descent keeps in view at each tier above the target (its beam).
@@ -498,9 +498,8 @@ impl DciIndex {
         let d = self.cfg.dim;
         let nd = self.cfg.num_dirs();
         let n = ids.len();
-        // Room for inserts after the build, so the first ones do not pay for a regrowth.
         let mut keys = keys;
-        keys.reserve_exact((n / 8) * d);
+        keys.reserve_exact(build_room(n, d));
         self.keys = keys;
         let keys = &self.keys[..];
         // The directions without their extra component, contiguous, for blocked dot products.

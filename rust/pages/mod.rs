@@ -14,7 +14,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::{ensure, Error, Result};
-use crate::index::{Calibration, Config, DciIndex, Metric};
+use crate::index::{build_room, Calibration, Config, DciIndex, Metric};
 use crate::input::{check_rows, KeyData};
 use split::{split_pages, SplitScratch};
 
@@ -97,7 +97,7 @@ impl HeadForest {
         let heads = (0..num_heads)
             .into_par_iter()
             .map(|h| {
-                let head_keys = keys.part(h * n * d..(h + 1) * n * d).to_f32_vec_with_room((n / 8) * d);
+                let head_keys = keys.part(h * n * d..(h + 1) * n * d).to_f32_vec_with_room(build_room(n, d));
                 check_rows(&head_keys, d, "keys").map_err(|e| match e {
                     Error::Invalid(why) => Error::Invalid(format!("{why} (head {h})")),
                     other => other,
@@ -365,17 +365,11 @@ impl HeadPages {
             })
             .collect();
         drop(cells);
-        // As `add_page` does, with the page sums the split made from the keys it gathered.
+        // The page sums are those the split made from the keys it gathered.
         for (cell, groups, sums) in split {
-            for tokens in groups {
-                let id = hp.pages.len() as u32;
-                for (slot, &t) in tokens.iter().enumerate() {
-                    hp.token_page[t as usize] = (id, slot as u32);
-                }
-                hp.cell_pages.entry(cell).or_default().push(id);
-                hp.pages.push(tokens);
+            for (tokens, sum) in groups.into_iter().zip(sums.chunks_exact(d)) {
+                hp.push_page(cell, tokens, sum);
             }
-            hp.page_sum.extend_from_slice(&sums);
         }
         let token_page = &hp.token_page;
         hp.index.set_tags(|id| token_page[id as usize].0);
@@ -404,10 +398,22 @@ impl HeadPages {
 
     /// Registers a new page of `cell` holding `tokens`; returns its id.
     fn add_page<'k>(&mut self, cell: u32, tokens: Vec<u32>, key: &impl Fn(u32) -> &'k [f32]) -> u32 {
+        let mut sum = vec![0f32; self.index.dim()];
+        for &t in &tokens {
+            sum.iter_mut().zip(key(t)).for_each(|(a, b)| *a += b);
+        }
+        self.push_page(cell, tokens, &sum)
+    }
+
+    /// Registers a new page of `cell` holding `tokens` (in slot order), whose keys sum to
+    /// `sum`; returns its id.
+    fn push_page(&mut self, cell: u32, tokens: Vec<u32>, sum: &[f32]) -> u32 {
         let id = self.pages.len() as u32;
-        let d = self.index.dim();
-        self.page_sum.resize(self.page_sum.len() + d, 0.0);
-        self.set_page(id, tokens, key);
+        for (slot, &t) in tokens.iter().enumerate() {
+            self.token_page[t as usize] = (id, slot as u32);
+        }
+        self.pages.push(tokens);
+        self.page_sum.extend_from_slice(sum);
         self.cell_pages.entry(cell).or_default().push(id);
         id
     }
