@@ -90,7 +90,7 @@ def keep_mask(emulation: Emulation, query: torch.Tensor, keys: torch.Tensor, sca
     """
     import torch
 
-    from icecache.eval.recall.methods import Query, make_selectors
+    from icecache.eval.recall.methods import Query, make_selectors, quest_page_bounds
 
     em = emulation
     n_kv, T, D = keys.shape
@@ -100,19 +100,11 @@ def keep_mask(emulation: Emulation, query: torch.Tensor, keys: torch.Tensor, sca
     if n_mid == 0:
         return keep
     keep[:, mid_lo:mid_hi] = False
-    k_mid = keys[:, mid_lo:mid_hi].float()
-    kbounds = None
-    if em.method == "quest":
-        full = n_mid // em.page_size
-        pages = k_mid[:, : full * em.page_size].reshape(n_kv, full, em.page_size, D)
-        kmin, kmax = [pages.amin(2)], [pages.amax(2)]
-        if n_mid % em.page_size:  # the last page is partial
-            kmin.append(k_mid[:, full * em.page_size :].amin(1, keepdim=True))
-            kmax.append(k_mid[:, full * em.page_size :].amax(1, keepdim=True))
-        kbounds = (torch.cat(kmin, 1).numpy(), torch.cat(kmax, 1).numpy())
+    k_mid = keys[:, mid_lo:mid_hi].float().numpy()
+    kbounds = quest_page_bounds(k_mid, em.page_size) if em.method == "quest" else None
     qg = query.float().reshape(n_kv, -1, D).numpy()
     # Only the queries, the middle's shape and Quest's page bounds are read by these selectors.
-    ctx = Query(qg, k_mid.numpy(), None, None, kbounds, em.page_size, None)
+    ctx = Query(qg, k_mid, None, None, kbounds, em.page_size, None)
     extra = em.budget - em.sink - em.window
     (tokens, _pages, charged), *_ = make_selectors(scale, None, {})[em.method](ctx, [extra], [em.pages])
     if float(np.max(charged)) > extra:

@@ -14,7 +14,14 @@ import numpy as np
 
 from icecache._util import progress_bar
 from icecache.eval.recall.capture import DocQKV, load_or_capture
-from icecache.eval.recall.methods import REFERENCE_FOREST_KWARGS, Forest, Query, make_selectors, resolve_methods
+from icecache.eval.recall.methods import (
+    REFERENCE_FOREST_KWARGS,
+    Forest,
+    Query,
+    make_selectors,
+    quest_page_bounds,
+    resolve_methods,
+)
 from icecache.eval.recall.report import SAMPLE_FIELDS, RecallResult, layer_ranges, plotting_missing
 
 __all__ = ["DEFAULT_BUDGETS", "evaluate_qkv", "evaluate_recall"]
@@ -204,9 +211,7 @@ def _eval_layer(
     del p_base
     # Quest's positional page bounds: pages [sink + page*j, sink + page*(j+1)) are the same for
     # every query; only the last (partial) page of a query's middle needs its own bound.
-    P_all = (T - sink) // page
-    kp = k[:, sink : sink + P_all * page].reshape(H_kv, P_all, page, D)
-    kmin_all, kmax_all = kp.min(2), kp.max(2)
+    full_bounds = quest_page_bounds(k[:, sink : sink + (T - sink) // page * page], page)
     need_quest = any(m in ("quest", "quest_pagemass") for m in methods)
 
     for qi in range(nq):
@@ -215,16 +220,7 @@ def _eval_layer(
         p_mid = p[:, :, qi, sink:Mq]  # [H_kv, G, n_mid]
         v_mid = v[:, sink:Mq]
         k_mid = np.ascontiguousarray(k[:, sink:Mq])
-        if need_quest:
-            nf = n_mid // page
-            kmin, kmax = kmin_all[:, :nf], kmax_all[:, :nf]
-            if n_mid % page:
-                tail = k_mid[:, nf * page :]
-                kmin = np.concatenate([kmin, tail.min(1, keepdims=True)], axis=1)
-                kmax = np.concatenate([kmax, tail.max(1, keepdims=True)], axis=1)
-            kbounds = (kmin, kmax)
-        else:
-            kbounds = None
+        kbounds = quest_page_bounds(k_mid, page, full_bounds) if need_quest else None
         built: Dict[str, Forest] = {}
 
         def forests(config: str, k_mid=k_mid, n_mid=n_mid, built=built) -> Forest:

@@ -23,6 +23,7 @@ __all__ = [
     "Selector",
     "resolve_methods",
     "make_selectors",
+    "quest_page_bounds",
 ]
 
 #: Methods evaluated by default (see :mod:`icecache.eval.recall`).
@@ -56,6 +57,31 @@ _FOREST_OF = {
 }
 #: HeadForest keyword arguments of the IceCache reference configuration.
 REFERENCE_FOREST_KWARGS: Dict[str, Any] = dict(num_simple=1, num_composite=1, promotion=[0.01, 0.2, 0.2])
+
+
+def quest_page_bounds(
+    k_mid: np.ndarray, page_size: int, full: Optional[Tuple[np.ndarray, np.ndarray]] = None
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Quest's key bounds of the positional pages of a middle ``[H_kv, n_mid, D]``: the
+    elementwise min and max of each page's keys, ``(kmin, kmax)`` of ``[H_kv, P, D]`` with
+    ``P = ceil(n_mid / page_size)`` (the last page may be partial).
+
+    ``full``: the bounds of the full pages of a middle that starts at the same token and is at
+    least as long (pages are positional, so its first pages are this one's); then only the
+    partial last page is computed here.
+    """
+    H, n, D = k_mid.shape
+    nf = n // page_size
+    if full is None:
+        pages = k_mid[:, : nf * page_size].reshape(H, nf, page_size, D)
+        kmin, kmax = pages.min(2), pages.max(2)
+    else:
+        kmin, kmax = full[0][:, :nf], full[1][:, :nf]
+    if n % page_size:
+        tail = k_mid[:, nf * page_size :]
+        kmin = np.concatenate([kmin, tail.min(1, keepdims=True)], axis=1)
+        kmax = np.concatenate([kmax, tail.max(1, keepdims=True)], axis=1)
+    return kmin, kmax
 
 
 class Query:
