@@ -53,6 +53,15 @@ impl Terms {
             -base
         }
     }
+
+    /// `nearness` in place over a row of dot products with routes whose squared norms and mean
+    /// extras are `route_sq` and `route_extra` (in row order).
+    #[inline(always)]
+    fn nearness_row(self, dots: &mut [f32], route_sq: &[f32], route_extra: &[f32]) {
+        for ((o, &sq), &extra) in dots.iter_mut().zip(route_sq).zip(route_extra) {
+            *o = self.nearness(*o, sq, extra);
+        }
+    }
 }
 
 /// The cells one tier below a cell, with their routes laid out for `dot_cross_cols`.
@@ -431,10 +440,7 @@ impl DciIndex {
                     s.dots.resize(s.slots.len() * nb, 0.0);
                     simd::dot_cross_cols(d, &self.keys, &s.slots, &b.routes, b.stride, nb, &mut s.dots);
                     for ((&p, &x), row) in run.iter().zip(&s.slots).zip(s.dots.chunks_exact_mut(nb)) {
-                        let terms = self.terms(x);
-                        for ((o, &sq), &extra) in row.iter_mut().zip(&b.sq).zip(&b.extra) {
-                            *o = terms.nearness(*o, sq, extra);
-                        }
+                        self.terms(x).nearness_row(row, &b.sq, &b.extra);
                         let best = &mut best[p as u32 as usize];
                         for (&score, &c) in row.iter().zip(&b.cells) {
                             insert_best(best, (score, c));
@@ -465,10 +471,7 @@ impl DciIndex {
             m.resize(xs.len() * nc, 0.0);
             simd::dot_cross(d, &self.keys, xs, &tier.routes, m);
             for (row, &x) in m.chunks_exact_mut(nc).zip(xs) {
-                let terms = self.terms(x);
-                for ((o, &sq), &extra) in row.iter_mut().zip(&tier.route_sq).zip(&tier.route_extra) {
-                    *o = terms.nearness(*o, sq, extra);
-                }
+                self.terms(x).nearness_row(row, &tier.route_sq, &tier.route_extra);
             }
         }
     }
