@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Set
+from typing import Any, Callable, List, Optional, Sequence, Set
 
 __all__ = ["build_parser", "main"]
 
@@ -46,18 +46,25 @@ def _layer_list(tokens: Sequence[str]) -> List[int]:
     return sorted(out)
 
 
+def _plot_wanted(args: argparse.Namespace, plotting_missing: Callable[[], Optional[str]], png: str) -> bool:
+    """Whether an evaluation draws its plot ``png``, its one optional part: not with
+    ``--no-plot``, nor when the plot's dependency is missing, which is checked before the work
+    (and said); the plot is drawn after the results are printed and saved."""
+    if args.no_plot:
+        return False
+    missing = plotting_missing()
+    if missing is not None:
+        print(f"note: {missing}, so {png} is skipped (--no-plot hides this note)", file=sys.stderr)
+        return False
+    return True
+
+
 def _cmd_eval_recall(args: argparse.Namespace) -> int:
     from icecache.eval import recall
 
     layers = _layer_list(args.layers) if args.layers else None
     methods = args.methods or None
-    # The plot is the one optional part: checked before the work, drawn after the results are
-    # printed and saved.
-    plot = not args.no_plot
-    missing = recall.plotting_missing() if plot else None
-    if missing is not None:
-        print(f"note: {missing}, so recall_vs_budget.png is skipped (--no-plot hides this note)", file=sys.stderr)
-        plot = False
+    plot = _plot_wanted(args, recall.plotting_missing, "recall_vs_budget.png")
     res = recall.evaluate_recall(
         n_docs=args.docs,
         n_tokens=args.tokens,
@@ -93,13 +100,7 @@ def _cmd_eval_recall(args: argparse.Namespace) -> int:
 def _cmd_eval_agreement(args: argparse.Namespace) -> int:
     from icecache.eval import agreement
 
-    # The plot is the one optional part: checked before the work, drawn after the results are
-    # printed and saved.
-    plot = not args.no_plot
-    missing = agreement.plotting_missing() if plot else None
-    if missing is not None:
-        print(f"note: {missing}, so agreement_vs_budget.png is skipped (--no-plot hides this note)", file=sys.stderr)
-        plot = False
+    plot = _plot_wanted(args, agreement.plotting_missing, "agreement_vs_budget.png")
     if args.threads:
         import torch
 
