@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Look-ahead selection against fresh selection on real attention: SmolLM2 Q/K/V, prose and code.
 
-For each document (``--prose`` Jane Austen documents shipped with the package, ``--code``
-Python sources of this interpreter's standard library: real code the benchmarks do not tune
-on), SmolLM2-135M's post-RoPE queries, keys and values are captured once (cached in
-``~/.cache/icecache/lookahead``). Then for every layer from 2 on and four runs of 16
-consecutive decode positions near the end, the runtime's protocol is replayed:
+For each document (``--prose`` Jane Austen documents, ``--code`` CPython standard-library
+modules, both shipped with the package: ``icecache.texts.documents(seed=1)``), SmolLM2-135M's
+post-RoPE queries, keys and values are captured once (cached in ``~/.cache/icecache/lookahead``).
+Then for every layer from 2 on and four runs of 16 consecutive decode positions near the end,
+the runtime's protocol is replayed:
 
 - one forest (``HeadForest``, default configuration) over the middle tokens ``[16, M)``; the
   window ``[M, t]`` grows from 16 to 31 tokens over the run (as the runtime's window does
@@ -17,7 +17,9 @@ consecutive decode positions near the end, the runtime's protocol is replayed:
   selected with the query of step ``t - 1`` (``successors`` as in ``HeadForest.select``) into a
   pool of ``pool`` pages per KV head (least recently selected evicted); the device's ranking is
   replayed exactly: each query head's softmax over the resident, sink and window tokens, summed
-  over the group and the page, and the 13 heaviest pages are attended.
+  over the group and the page, and the 13 heaviest pages are attended;
+- ``adaptive`` (after ``pagemass`` and each look-ahead): ``budget_mode="adaptive"``, the
+  ``3 x 13`` pages of all KV heads with the largest shares of their head's mass.
 
 Metrics per (layer, KV head, step), averaged over the group's query heads: recall (the share of
 the full softmax mass on sink + window + attended pages) and middle-only recall (the share of the
@@ -25,13 +27,12 @@ middle's mass on the attended pages). Reported: the mean over everything, per do
 spread over layers.
 
     python benches/bench_lookahead_quality.py [--prose 3] [--code 3] [--tokens 6000]
-        [--configs 52,1,65,32 52,1,65,0 26,1,36,32]
+        [--configs 52,1,65,32 52,1,65,0 52,2,65,32 26,1,36,32]
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 from pathlib import Path
@@ -39,7 +40,6 @@ from pathlib import Path
 import numpy as np
 
 SINK, PAGE, PAGES, STEPS = 16, 16, 13, 16
-CODE_MODULES = ["argparse", "typing", "inspect", "dataclasses", "pathlib", "logging"]
 
 
 def capture(name: str, ids, model, cache_dir: Path) -> dict:
@@ -90,19 +90,29 @@ class Step:
             mid.append(m.sum() / (1 - self.dense_mass[h]).sum())
         return np.mean(rec), np.mean(mid)
 
-    def device_rank(self, resident):
-        """The device's choice among ``resident[h]`` pages: exact group mass, top ``PAGES``."""
-        chosen = []
+    def device_rank(self, resident, adaptive=False):
+        """The device's choice among ``resident[h]`` pages, by exact group mass: each head's
+        ``PAGES`` heaviest, or (``adaptive``) the ``H * PAGES`` pages of all heads with the
+        largest shares of their head's resident mass (``budget_mode="adaptive"``)."""
+        ranked, shares = [], []
         for h, pages in enumerate(sorted(r) for r in resident):
             if not pages:
-                chosen.append([])
+                ranked.append([])
+                shares.append(np.zeros(0))
                 continue
             idx = np.concatenate([self.tokens[h][pg] for pg in pages] + [self.dense_idx])
             owner = np.concatenate([np.full(len(self.tokens[h][pg]), i) for i, pg in enumerate(pages)])
             w = softmax(self.logits[h][:, idx]).sum(0)[: len(owner)]
             mass = np.bincount(owner, weights=w, minlength=len(pages))
-            chosen.append([pages[i] for i in np.argsort(-mass, kind="stable")[:PAGES]])
-        return chosen
+            order = np.argsort(-mass, kind="stable")
+            ranked.append([pages[i] for i in order])
+            shares.append(mass[order] / max(mass.sum(), 1e-300))
+        if not adaptive:
+            return [r[:PAGES] for r in ranked]
+        heads = np.concatenate([np.full(len(x), h) for h, x in enumerate(shares)])
+        best = np.argsort(-np.concatenate(shares), kind="stable")[: len(ranked) * PAGES]
+        take = np.bincount(heads[best], minlength=len(ranked))
+        return [r[:n] for r, n in zip(ranked, take)]
 
 
 def run_doc(doc: dict, configs, scores: dict, name: str) -> None:
@@ -126,6 +136,7 @@ def run_doc(doc: dict, configs, scores: dict, name: str) -> None:
                 out.setdefault("fresh", []).append(s.score([fresh[h, : counts[h]] for h in range(Hkv)]))
                 everything = [set(range(forest.num_pages(h))) for h in range(Hkv)]
                 out.setdefault("pagemass", []).append(s.score(s.device_rank(everything)))
+                out.setdefault("pagemass adaptive", []).append(s.score(s.device_rank(everything, True)))
                 for c in configs:
                     superset, refresh, pool, successors = c
                     if step % refresh == 0:
@@ -139,6 +150,7 @@ def run_doc(doc: dict, configs, scores: dict, name: str) -> None:
                                 del resident[min(resident, key=resident.get)]
                     key = f"look-ahead superset {c[0]} refresh {c[1]} pool {c[2]} successors {c[3]}"
                     out.setdefault(key, []).append(s.score(s.device_rank(pools[c])))
+                    out.setdefault(f"{key} adaptive", []).append(s.score(s.device_rank(pools[c], True)))
 
 
 def main(argv=None) -> int:
@@ -157,11 +169,9 @@ def main(argv=None) -> int:
 
     model, tok = models.load_model("smollm2")
     docs = [(f"prose{i}", ids) for i, ids in enumerate(texts.documents(tok, args.prose, args.tokens, seed=1))]
-    for name in CODE_MODULES[: args.code]:
-        source = inspect.getsource(__import__(name))
-        ids = tok(source, add_special_tokens=False)["input_ids"][: args.tokens]
-        if len(ids) == args.tokens:
-            docs.append((f"code-{name}", ids))
+    if args.code:
+        code = texts.documents(tok, args.code, args.tokens, seed=1, kind="code")
+        docs += [(f"code{i}", ids) for i, ids in enumerate(code)]
     scores: dict = {}  # document -> layer -> selection -> [(recall, middle-only)]
     for name, ids in docs:
         print(f"{name}: capture and replay ...", file=sys.stderr, flush=True)

@@ -244,6 +244,8 @@ def test_bad_config_fails_when_made(kwargs, match):
         ("superset_pages", 2.0),
         ("budget", True),
         ("pool_pages", True),
+        ("budget_mode", "Adaptive"),
+        ("budget_mode", None),
     ],
 )
 def test_config_rejects_each_bad_field_when_made(field, value):
@@ -265,6 +267,9 @@ def test_config_defaults_and_derived_sizes():
     assert cfg.lookahead and cfg.retrieved_pages == 13 and cfg.selected_pages == 52 and cfg.device_pages == 65
     fresh = IceCacheConfig(lookahead=False)
     assert fresh.selected_pages == 13 and fresh.device_pages == 16
+    adaptive = IceCacheConfig(lookahead=False, budget_mode="adaptive")
+    assert adaptive.selected_pages == 52 and adaptive.device_pages == 52
+    assert IceCacheConfig(budget_mode="adaptive").device_pages == 65
     assert IceCacheConfig(superset_pages=20).device_pages == 33
     small = IceCacheConfig(budget=64)
     assert small.retrieved_pages == 1 and small.selected_pages == 32 and small.device_pages == 33
@@ -388,14 +393,11 @@ def test_ranked_attention_with_a_given_selection_is_exact():
     assert torch.equal(got.kept, keep)
 
 
-@pytest.mark.parametrize("pages", [1, 3, 6])
-def test_ranked_attention_keeps_the_pages_of_largest_group_mass(pages):
-    inputs = q, pool_kv, pool_valid, dense_kv, dense_valid = _ranked_inputs(3)
+def _group_mass(q, pool_kv, pool_valid, dense_kv, dense_valid, scale):
+    """Reference page masses ``[B, H, C]``: each query head's softmax over every valid token,
+    summed per pool page over the group."""
     _, B, H, C, S, D = pool_kv.shape
     G = q.shape[1] // H
-    scale = 0.4
-    # Reference ranking: each query head's softmax over every valid token, summed per pool
-    # page over the group.
     mass = torch.zeros(B, H, C)
     for b, j in np.ndindex(B, q.shape[1]):
         h = j // G
@@ -404,12 +406,47 @@ def test_ranked_attention_keeps_the_pages_of_largest_group_mass(pages):
         p = torch.zeros(len(keys))
         p[valid] = torch.softmax(keys[valid] @ q[b, j] * scale, dim=0)
         mass[b, h] += p[: C * S].view(C, S).sum(-1)
+    return mass
+
+
+@pytest.mark.parametrize("pages", [1, 3, 6])
+def test_ranked_attention_keeps_the_pages_of_largest_group_mass(pages):
+    inputs = q, pool_kv, _, _, _ = _ranked_inputs(3)
+    _, B, H, C, S, D = pool_kv.shape
+    G = q.shape[1] // H
+    scale = 0.4
+    mass = _group_mass(*inputs, scale)
     keep = torch.zeros(B, H, C, dtype=torch.bool).scatter_(-1, mass.topk(pages, -1).indices, True)
     got = ranked_decode_attention(*inputs, pages=pages, scale=scale)
     assert torch.equal(got.kept, keep)
     torch.testing.assert_close(got.out, _naive_ranked(*inputs, keep, scale), rtol=1e-5, atol=1e-6)
     lse = ranked_decode_attention(*inputs, pages=pages, scale=scale, want_lse=True).lse
     assert lse is not None and lse.shape == (B, H * G) and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("pages", [1, 2, 4])
+def test_adaptive_ranking_shares_the_budget_among_heads_by_mass(pages):
+    """``adaptive``: per sequence the ``H * pages`` pages of all heads (never more) with the
+    largest shares of their head's pool mass, so the heads' counts differ; with candidates,
+    only they compete; ``pages >= C`` keeps all."""
+    inputs = q, pool_kv, pool_valid, _, _ = _ranked_inputs(5, B=3, H=4, C=6)
+    _, B, H, C, S, D = pool_kv.shape
+    scale = 0.5
+    mass = _group_mass(*inputs, scale)
+    mass = mass / mass.sum(-1, keepdim=True)  # each page's share of its head's pool mass
+    got = ranked_decode_attention(*inputs, pages=pages, scale=scale, adaptive=True)
+    want = torch.zeros(B, H * C, dtype=torch.bool).scatter_(-1, mass.view(B, H * C).topk(H * pages, -1).indices, True)
+    assert torch.equal(got.kept, want.view(B, H, C))
+    assert (got.kept.sum((1, 2)) == H * pages).all()
+    assert got.kept.sum(-1).max() > pages  # some head got more than a fixed share
+    torch.testing.assert_close(got.out, _naive_ranked(*inputs, got.kept, scale), rtol=1e-5, atol=1e-6)
+    candidates = torch.rand(B, H, C, generator=torch.Generator().manual_seed(6)) < 0.5
+    some = ranked_decode_attention(*inputs, pages=pages, scale=scale, keep=candidates, adaptive=True).kept
+    order = mass.masked_fill(~candidates, -1.0).view(B, H * C).topk(H * pages, -1).indices
+    want = torch.zeros(B, H * C, dtype=torch.bool).scatter_(-1, order, True).view(B, H, C) & candidates
+    assert torch.equal(some, want) and (some.sum((1, 2)) <= H * pages).all()
+    every = ranked_decode_attention(*inputs, pages=C, scale=scale, adaptive=True).kept
+    assert every.all()
 
 
 def test_attention_recall():
@@ -443,27 +480,31 @@ def test_attention_recall():
 
 
 @pytest.mark.parametrize(
-    "arch, reuse, lookahead",
+    "arch, reuse, lookahead, budget_mode",
     [
-        ("llama", 1, True),
-        ("llama", 1, False),
-        ("llama", 2, True),
-        ("llama", 3, "refresh"),
-        ("qwen2", 1, True),
-        ("qwen3", 1, True),
-        ("mistral", 1, True),
-        ("gemma3", 1, True),
+        ("llama", 1, True, "fixed"),
+        ("llama", 1, False, "fixed"),
+        ("llama", 1, True, "adaptive"),
+        ("llama", 1, False, "adaptive"),
+        ("llama", 2, True, "fixed"),
+        ("llama", 3, "refresh", "adaptive"),
+        ("qwen2", 1, True, "fixed"),
+        ("qwen3", 1, True, "fixed"),
+        ("mistral", 1, True, "fixed"),
+        ("gemma3", 1, True, "adaptive"),
     ],
 )
-def test_budget_covering_context_equals_full_cache(arch, reuse, lookahead, pool_checks):
+def test_budget_covering_context_equals_full_cache(arch, reuse, lookahead, budget_mode, pool_checks):
     """With every page within the budget, IceCache is exact with look-ahead or fresh
-    selection: prefill and 32 decode steps match the full cache. The steps also move two window
-    pages into the index (inserts, reloads)."""
+    selection, in both budget modes: prefill and 32 decode steps match the full cache. The steps
+    also move two window pages into the index (inserts, reloads)."""
     model = tiny_model(arch)
     ids = prompt_ids(300)
     full = run_steps(model, ids, DynamicCache(config=model.config), 32)
     refresh = 2 if lookahead == "refresh" else 1
-    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=reuse, lookahead=bool(lookahead), refresh=refresh)
+    cfg = IceCacheConfig(
+        budget=1024, full_layers=1, reuse=reuse, lookahead=bool(lookahead), refresh=refresh, budget_mode=budget_mode
+    )
     cache = IceCache(cfg, model)
     ice = run_steps(model, ids, cache, 32)
     torch.testing.assert_close(ice, full, rtol=1e-4, atol=1e-4)
@@ -479,15 +520,31 @@ def test_budget_covering_context_equals_full_cache(arch, reuse, lookahead, pool_
     assert len(pool_checks) == 32 * len(layers) and sum(pool_checks) > 0
 
 
-@pytest.mark.parametrize("reuse, lookahead, refresh", [(1, True, 1), (2, True, 1), (1, False, 1), (2, True, 3)])
-def test_long_generation_inserts_evicts_and_reloads(reuse, lookahead, refresh, pool_checks):
+@pytest.mark.parametrize(
+    "reuse, lookahead, refresh, budget_mode",
+    [
+        (1, True, 1, "fixed"),
+        (2, True, 1, "fixed"),
+        (1, False, 1, "fixed"),
+        (2, True, 3, "fixed"),
+        (1, False, 1, "adaptive"),
+    ],
+)
+def test_long_generation_inserts_evicts_and_reloads(reuse, lookahead, refresh, budget_mode, pool_checks):
     """Small budget and pool: pages are selected, evicted, changed by inserts and reloaded;
     whenever a layer applies a host job, its pool holds exactly the pages the residency map
     says, as in the CPU stores."""
     model = tiny_model("llama")
     # A superset of 12 pages in a pool of 16: loads and evictions at almost every step.
     cfg = IceCacheConfig(
-        budget=96, full_layers=1, reuse=reuse, superset_pages=12, pool_pages=16, lookahead=lookahead, refresh=refresh
+        budget=96,
+        full_layers=1,
+        reuse=reuse,
+        superset_pages=12,
+        pool_pages=16,
+        lookahead=lookahead,
+        refresh=refresh,
+        budget_mode=budget_mode,
     )
     cache = IceCache(cfg, model, track_recall=True)
     steps = 96

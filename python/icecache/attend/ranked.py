@@ -15,6 +15,15 @@ pool pages enter the softmax:
   they are ranked here by their exact attention mass under the current queries, summed over the
   KV head's query group (each query head's softmax over the valid tokens counts equally), and
   the ``pages`` heaviest are kept. The host never waits for this step's queries.
+- ``adaptive``: the same ranking, but the sequence's ``H * pages`` pages are shared among its
+  KV heads: each page's group mass is divided by its head's mass over all its pool pages, and
+  the pages with the largest such shares of all heads are kept (over the candidates: the pool,
+  or ``keep``'s pages when given). A head whose pool mass is spread over many pages gets more
+  pages, a peaked head fewer. Shares, not raw masses: ranking by raw mass gives most pages to
+  the heads that attend the offloaded middle at all and starves the ones whose mass sits in the
+  sink and window, which on real attention (benches/RESULTS.md) raised the mean recall but
+  lowered the middle's; shares raised both. The device memory and the tokens attended per
+  sequence stay those of ``pages`` per head.
 
 Sink and window tokens are always attended. The attention itself is torch's scaled-dot-product
 attention over the valid, kept tokens (its kernels keep logits and softmax in float32 whatever
@@ -62,6 +71,7 @@ def ranked_decode_attention(
     pages: int,
     scale: float,
     keep: Optional[torch.Tensor] = None,
+    adaptive: bool = False,
     want_lse: bool = False,
 ) -> RankedAttention:
     """Attention of one query token per sequence over the dense tokens and chosen pool pages.
@@ -74,10 +84,13 @@ def ranked_decode_attention(
             window).
         dense_valid: ``[B, H, L]`` bool, dense slots that hold a token. Invalid slots may hold
             anything finite: they are masked out, not zeroed.
-        pages: most pool pages to attend per (sequence, KV head) when ranking.
+        pages: most pool pages to attend per (sequence, KV head) when ranking (with
+            ``adaptive``: on average over the sequence's KV heads).
         scale: logit scale (usually ``D ** -0.5``).
         keep: ``[B, H, C]`` bool, the pool slots to attend (no ranking); ``None``: rank the
             valid pool pages by group attention mass and keep the ``pages`` heaviest.
+        adaptive: rank and share ``H * pages`` pages per sequence among its KV heads (see the
+            module docs); the candidates are ``keep``'s pages when it is given, else the pool.
         want_lse: also return the log-sum-exp of the attended logits.
 
     Returns:
@@ -93,19 +106,28 @@ def ranked_decode_attention(
     # The group's query heads are the "query positions" of one KV head: [B, H, G, D].
     q = query.reshape(B, H, G, D).to(pool_kv.dtype)
     kv = torch.cat([pool_kv.view(2, B, H, P, D), dense_kv], dim=3)
-    if keep is None:
-        if pages < C:
-            # Ranking only needs the order of page masses: logits in the storage dtype will do.
-            valid = torch.cat([pool_valid.view(B, H, P), dense_valid], dim=2)
-            logits = torch.matmul(q, kv[0].transpose(-1, -2)).float().mul_(scale)
-            logits.masked_fill_(~valid[:, :, None, :], float("-inf"))
-            mass = torch.softmax(logits, dim=-1)[..., :P].reshape(B, H, G, C, S).sum((2, 4))
-            top = mass.topk(pages, dim=-1).indices
-            keep = torch.zeros(B, H, C, dtype=torch.bool, device=pool_kv.device).scatter_(-1, top, True)
-        else:
-            keep = torch.ones(B, H, C, dtype=torch.bool, device=pool_kv.device)
-    elif keep.shape != (B, H, C):
+    if keep is not None and keep.shape != (B, H, C):
         raise ValueError(f"keep must be [{B}, {H}, {C}], got {tuple(keep.shape)}")
+    if pages >= C:
+        keep = torch.ones(B, H, C, dtype=torch.bool, device=pool_kv.device) if keep is None else keep
+    elif keep is None or adaptive:
+        # Ranking only needs the order of page masses: logits in the storage dtype will do.
+        valid = torch.cat([pool_valid.view(B, H, P), dense_valid], dim=2)
+        logits = torch.matmul(q, kv[0].transpose(-1, -2)).float().mul_(scale)
+        logits.masked_fill_(~valid[:, :, None, :], float("-inf"))
+        mass = torch.softmax(logits, dim=-1)[..., :P].reshape(B, H, G, C, S).sum((2, 4))
+        if adaptive:
+            mass = mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
+        if keep is not None:  # only the given candidates compete (masses are >= 0)
+            mass = mass.masked_fill(~keep, -1.0)
+        if adaptive:
+            top = mass.view(B, H * C).topk(H * pages, dim=-1).indices
+            chosen = torch.zeros(B, H * C, dtype=torch.bool, device=pool_kv.device).scatter_(-1, top, True)
+            chosen = chosen.view(B, H, C)
+        else:
+            top = mass.topk(pages, dim=-1).indices
+            chosen = torch.zeros(B, H, C, dtype=torch.bool, device=pool_kv.device).scatter_(-1, top, True)
+        keep = chosen if keep is None else chosen & keep
     mask = torch.cat([(pool_valid & keep[..., None]).view(B, H, P), dense_valid], dim=2)[:, :, None, :]
     if kv.is_cuda:  # cuDNN's backend would plan anew for the mask; the others need no plan
         with sdpa_kernel(_BACKENDS):

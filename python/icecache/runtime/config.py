@@ -15,6 +15,8 @@ _PAGE_SIZES = range(8, 65)
 #: ``SUPERSET_MIN`` pages (see ``superset_pages``).
 SUPERSET_FACTOR = 4
 SUPERSET_MIN = 32
+#: How a layer's page budget is shared among its KV heads (see ``budget_mode``).
+BUDGET_MODES = ("fixed", "adaptive")
 
 
 def _is_int(value: Any) -> bool:
@@ -75,6 +77,10 @@ def _device(value: Any) -> Optional[str]:
     return None
 
 
+def _budget_mode(value: Any) -> Optional[str]:
+    return None if value in BUDGET_MODES else f"must be one of {BUDGET_MODES}, got {value!r}"
+
+
 def _bool(value: Any) -> Optional[str]:
     return None if isinstance(value, bool) else f"must be True or False, got {value!r}"
 
@@ -87,6 +93,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
     "window": _non_negative_int,
     "full_layers": _non_negative_int,
     "reuse": _non_negative_int,
+    "budget_mode": _budget_mode,
     "lookahead": _bool,
     "superset_pages": _optional(_non_negative_int),
     "successors": _non_negative_int,
@@ -120,6 +127,15 @@ class IceCacheConfig:
             ``page_size`` (when full, its oldest page of tokens moves to the index).
         full_layers: leading full-attention layers that keep the whole cache (their attention
             is broad).
+        budget_mode: how each layer's pages are shared among its KV heads at a step.
+            ``"fixed"``: every KV head attends ``retrieved_pages``. ``"adaptive"``: the
+            sequence's KV heads together attend ``H_kv * retrieved_pages`` pages, those with
+            the largest share of their head's mass over its candidate pages (exact group
+            attention mass on the device; :func:`icecache.attend.ranked_decode_attention`), so
+            heads whose attention is spread get more pages and peaked heads fewer. The tokens
+            attended per layer and the device memory stay the same. The candidates
+            are the device pool (look-ahead) or, with fresh selection, a superset of
+            ``selected_pages`` per head selected for the step.
         reuse: layer-reuse group size: groups of ``reuse`` consecutive IceCache layers share
             the first layer's page layout and page selection (1: off).
         lookahead: select pages off the critical path (default). Each layer's pages for step
@@ -131,7 +147,7 @@ class IceCacheConfig:
         superset_pages: pages the look-ahead selects per (layer, KV head, step), ranked on the
             device. Default: ``4 * retrieved_pages``, at least 32 (measured on real SmolLM2
             attention, see benches/RESULTS.md: 4x at budget 256; small budgets need the floor).
-            Ignored with fresh selection.
+            Ignored with fresh selection and ``budget_mode="fixed"``.
         successors: with look-ahead (fresh selection serves the step it selects for, so it uses
             none), the weight of each query head's ``successors`` heaviest
             keys also goes to the page of the next position, so that a head copying text from
@@ -147,7 +163,8 @@ class IceCacheConfig:
         pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
             across steps until evicted (least recently selected first). Default with
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
-            supersets stay ranked too; with fresh selection ``budget // page_size``.
+            supersets stay ranked too; with fresh selection ``budget // page_size`` (``"fixed"``)
+            or ``superset_pages`` (``"adaptive"``).
         effort, num_simple, num_composite, promotion, seed, threads: index parameters, passed
             to :class:`icecache.HeadForest` (``None``: the index's defaults). ``threads=None``
             is all cores in a single process; under ``torch.distributed`` with several ranks
@@ -161,6 +178,7 @@ class IceCacheConfig:
     window: int = 32
     full_layers: int = 2
     reuse: int = 1
+    budget_mode: str = "fixed"
     lookahead: bool = True
     superset_pages: Optional[int] = None
     successors: int = 32
@@ -216,9 +234,10 @@ class IceCacheConfig:
 
     @property
     def selected_pages(self) -> int:
-        """Pages the host selects per (layer, KV head, step): the look-ahead superset, or the
-        retrieved pages with fresh selection."""
-        if not self.lookahead:
+        """Pages the host selects per (layer, KV head, step): the look-ahead superset, or with
+        fresh selection the retrieved pages (``budget_mode="fixed"``) or the superset that
+        the device shares among the heads (``"adaptive"``)."""
+        if not self.lookahead and self.budget_mode == "fixed":
             return self.retrieved_pages
         if self.superset_pages is not None:
             return self.superset_pages
@@ -231,6 +250,8 @@ class IceCacheConfig:
             return self.pool_pages
         if self.lookahead:
             return self.selected_pages + self.retrieved_pages
+        if self.budget_mode == "adaptive":
+            return self.selected_pages
         return self.budget // self.page_size
 
     def index_kwargs(self) -> dict:

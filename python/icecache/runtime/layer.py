@@ -470,6 +470,7 @@ class IceLayer(CacheLayerMixin):
             ring=(self._ring_at, self.ring),
             query_heads=query_heads,
             scale=scale,
+            adaptive=cfg.budget_mode == "adaptive",
             handoff=(bufs.queries, bufs.flag) if cfg.lookahead else None,
             graphs=cfg.lookahead and cfg.cuda_graphs,
             pool=self.runtime.graph_pool() if self.device.type == "cuda" else None,

@@ -38,6 +38,7 @@ class DeviceStep:
         layout: its ``icecache._core.StagingLayout``.
         ring: ``(first, size)``: where the window ring starts in the dense tokens, and its slots.
         query_heads, scale: of the layer's attention.
+        adaptive: share the pages among the KV heads by mass (``budget_mode="adaptive"``).
         handoff: ``(host_query, host_flag)`` pinned host tensors to hand each step's queries and
             step number to (look-ahead), or ``None``.
         graphs: replay from CUDA graphs (CUDA only); ``pool``: their shared memory pool.
@@ -55,6 +56,7 @@ class DeviceStep:
         ring: Tuple[int, int],
         query_heads: int,
         scale: float,
+        adaptive: bool = False,
         handoff: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
         graphs: bool = False,
         pool: Optional[Any] = None,
@@ -69,6 +71,7 @@ class DeviceStep:
         self.dense_kv, self.dense_valid = dense_kv, dense_valid
         self._ring_first, self._ring = ring
         self._scale = scale
+        self._adaptive = adaptive
         n, m = layout.max_loads, layout.max_masks
         self._load_idx = staging[: 8 * n].view(torch.int64)
         self._mask_idx = staging[8 * n : 8 * (n + m)].view(torch.int64)
@@ -125,6 +128,7 @@ class DeviceStep:
             pages=pages,
             scale=self._scale,
             keep=keep,
+            adaptive=self._adaptive,
             want_lse=want_lse,
         )
         if self._handoff is not None:

@@ -20,6 +20,8 @@ full-attention layer after IceCache's ``full_layers`` = 2 full-cache layers):
 * ``icecache``: the runtime itself, :class:`icecache.IceCache` with
   ``IceCacheConfig(budget=B)`` (its defaults: look-ahead selection, semantic pages), made from
   the prefilled full cache with :meth:`~icecache.IceCache.from_prefilled`.
+* ``icecache_adaptive``: the same with ``budget_mode="adaptive"`` (each step's pages shared
+  among the KV heads by attention mass).
 * ``quest``: Quest-style selection, emulated over the full cache: the middle tokens (after the
   sink, before the window) are cut into positional pages of 16; each step ranks them by the
   bound ``sum_d max(q_d kmin_d, q_d kmax_d)`` (max over the KV head's query heads: one

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Union
 
 from icecache._util import progress_bar
-from icecache.eval.agreement.methods import EMULATED, METHODS, Emulation, emulating
+from icecache.eval.agreement.methods import BUDGET_MODE, EMULATED, METHODS, Emulation, emulating
 from icecache.eval.agreement.report import AgreementResult, PromptRun, plotting_missing
 
 __all__ = [
@@ -100,8 +100,9 @@ def evaluate_prompts(
     cache then decodes ``new_tokens`` greedy tokens from the last prompt token; every method
     at every budget decodes the same steps fed the full cache's tokens, and its argmax at each
     step is compared with the full cache's. IceCache runs with
-    ``IceCacheConfig(budget, sink, window, page_size, full_layers, threads)`` and its defaults
-    otherwise; the emulated methods serve the same layers with the same sink and window.
+    ``IceCacheConfig(budget, sink, window, page_size, full_layers, threads)`` (and
+    ``budget_mode="adaptive"`` for ``icecache_adaptive``) and its defaults otherwise; the
+    emulated methods serve the same layers with the same sink and window.
 
     Args:
         on_prompt: called with the results so far after each prompt (e.g. to save them).
@@ -121,9 +122,16 @@ def evaluate_prompts(
         raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
     budgets = sorted({int(b) for b in budgets})
     configs = {
-        b: IceCacheConfig(
-            budget=b, sink=sink, window=window, page_size=page_size, full_layers=full_layers, threads=threads
+        (m, b): IceCacheConfig(
+            budget=b,
+            sink=sink,
+            window=window,
+            page_size=page_size,
+            full_layers=full_layers,
+            threads=threads,
+            budget_mode=mode,
         )
+        for m, mode in BUDGET_MODE.items()
         for b in budgets
     }  # validates budgets and settings before the slow work
     layers = frozenset(served_layers(model, full_layers))
@@ -151,8 +159,8 @@ def evaluate_prompts(
             bar.update(1)
             for method in methods:
                 for b in budgets:
-                    if method == "icecache":
-                        cache = IceCache.from_prefilled(configs[b], model, prefix)
+                    if method in BUDGET_MODE:
+                        cache = IceCache.from_prefilled(configs[(method, b)], model, prefix)
                         got = _decode(model, cache, prompt.ids[-1], new_tokens, reference)
                         del cache
                     else:

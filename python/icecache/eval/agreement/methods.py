@@ -1,6 +1,7 @@
 """The KV-cache methods that the agreement evaluation decodes with (see :mod:`icecache.eval.agreement`).
 
-``icecache`` is the runtime itself (:class:`icecache.IceCache`). ``quest`` and ``streamingllm``
+``icecache`` and ``icecache_adaptive`` are the runtime itself (:class:`icecache.IceCache`, with
+``budget_mode`` ``"fixed"`` and ``"adaptive"``). ``quest`` and ``streamingllm``
 are emulated over a full cache: an attention function (:data:`ATTN_IMPLEMENTATION`) gives each
 decode step's query of a served layer only the tokens the method keeps, chosen by the recall
 evaluation's selectors (:func:`icecache.eval.recall.methods.make_selectors`), so both
@@ -21,14 +22,30 @@ from icecache._util import register_attention
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI's parser imports this module
     import torch
 
-__all__ = ["ATTN_IMPLEMENTATION", "EMULATED", "METHODS", "METHOD_LABELS", "Emulation", "emulating", "keep_mask"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "BUDGET_MODE",
+    "EMULATED",
+    "METHODS",
+    "METHOD_LABELS",
+    "Emulation",
+    "emulating",
+    "keep_mask",
+]
 
 #: Methods evaluated by default.
-METHODS: Tuple[str, ...] = ("icecache", "quest", "streamingllm")
+METHODS: Tuple[str, ...] = ("icecache", "icecache_adaptive", "quest", "streamingllm")
+#: The methods that run the IceCache runtime, with their ``IceCacheConfig.budget_mode``.
+BUDGET_MODE: Dict[str, str] = {"icecache": "fixed", "icecache_adaptive": "adaptive"}
 #: The methods emulated over a full cache (the others run the IceCache runtime).
 EMULATED: Tuple[str, ...] = ("quest", "streamingllm")
 #: Names for tables and plots.
-METHOD_LABELS: Dict[str, str] = {"icecache": "IceCache", "quest": "Quest", "streamingllm": "StreamingLLM"}
+METHOD_LABELS: Dict[str, str] = {
+    "icecache": "IceCache",
+    "icecache_adaptive": "IceCache, adaptive budgets",
+    "quest": "Quest",
+    "streamingllm": "StreamingLLM",
+}
 #: Attention implementation name of the emulation, registered with transformers.
 ATTN_IMPLEMENTATION = "icecache_emulation"
 
@@ -104,7 +121,7 @@ def keep_mask(emulation: Emulation, query: torch.Tensor, keys: torch.Tensor, sca
     kbounds = quest_page_bounds(k_mid, em.page_size) if em.method == "quest" else None
     qg = query.float().reshape(n_kv, -1, D).numpy()
     # Only the queries, the middle's shape and Quest's page bounds are read by these selectors.
-    ctx = Query(qg, k_mid, None, None, kbounds, em.page_size, None)
+    ctx = Query(qg, k_mid, None, None, None, kbounds, em.page_size, None)
     extra = em.budget - em.sink - em.window
     (tokens, _pages, charged), *_ = make_selectors(scale, None, {})[em.method](ctx, [extra], [em.pages])
     if float(np.max(charged)) > extra:

@@ -26,7 +26,8 @@ keep their full cache in IceCache), one KV head ``h`` and one query position ``t
   ``page_size`` slots even when it holds fewer tokens. Page-based methods get
   ``pages = floor((B - sink - window) / page_size)`` pages (``page_size`` = 16: 2 / 6 / 14 / 30
   pages at B = 64 / 128 / 256 / 512). Token-granular methods get ``B - sink - window`` middle
-  tokens. The charge is checked to never exceed ``B`` (:attr:`RecallResult.charged`).
+  tokens. The charge is checked to never exceed ``B`` on average over a step's KV heads
+  (:attr:`RecallResult.charged`; only ``icecache_adaptive`` charges heads unequally).
 * **GQA-honest**: every method selects once per KV head; the selection is shared by the
   group's ``G = H_q / H_kv`` query heads (3 for SmolLM2).
 
@@ -55,6 +56,16 @@ Methods, all at the same budget ``B``:
   budget).
 * ``icecache``: ``icecache.HeadForest`` (default configuration) over the middle keys,
   ``select(queries of the group, pages, scale=1/sqrt(d))``.
+* ``icecache_ranked``: what the runtime attends with fresh selection (``lookahead=False``;
+  look-ahead selects with the previous step's queries, whose cost ``benches/
+  bench_lookahead_quality.py`` measures): ``HeadForest.select`` picks a superset of
+  ``max(4 * pages, 32)`` pages per KV head, which the device ranks by their exact group
+  attention mass (each query head's softmax over the superset, sink and window tokens, as on
+  the device), and each head attends its ``pages`` heaviest.
+* ``icecache_adaptive``: the same with ``budget_mode="adaptive"``: the ``H_kv * pages``
+  pages of all KV heads together with the largest share of their head's superset mass, so the
+  heads' page counts differ (the budget then
+  holds per (layer, step) over the KV heads, not per head; ``charged`` is per head).
 * ``reference``: the IceCache reference configuration built with our index,
   ``HeadForest(..., num_simple=1, num_composite=1, promotion=[0.01, 0.2, 0.2])``, with the
   reference code's page ranking, which ``HeadForest.select`` has no switch for and which is

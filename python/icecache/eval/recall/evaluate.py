@@ -139,7 +139,8 @@ def evaluate_qkv(
         bar.close()
     timings["evaluate_s"] = time.perf_counter() - t_start
 
-    over = arrays["charged"] + sink + window > np.asarray(budgets)[None, :, None, None, None] + 1e-9
+    # The budget holds per (layer, step) over the KV heads: adaptive budgets move pages between them.
+    over = arrays["charged"].mean(3) + sink + window > np.asarray(budgets)[None, :, None, None] + 1e-9
     if np.any(over):
         raise AssertionError("a selection was charged more than its budget")  # never: checked by tests
     arrays["charged"] = arrays["charged"] + sink + window
@@ -233,8 +234,9 @@ def _eval_layer(
                 timings["forest_build_s"] += time.perf_counter() - t0
             return built[config]
 
-        ctx = Query(qg[:, :, qi], k_mid, raw_all[:, :, qi, sink:Mq], p_mid, kbounds, page, forests)
-        bm, bn, of = base_mass[:, :, qi], base_num[:, :, qi], o_full[:, :, qi]
+        bm = base_mass[:, :, qi]
+        ctx = Query(qg[:, :, qi], k_mid, raw_all[:, :, qi, sink:Mq], p_mid, bm, kbounds, page, forests)
+        bn, of = base_num[:, :, qi], o_full[:, :, qi]
         of_norm = np.maximum(np.linalg.norm(of, axis=-1), 1e-30)
         mt = mid_tot[:, qi]
         for mi, m in enumerate(methods):

@@ -27,7 +27,15 @@ __all__ = [
 ]
 
 #: Methods evaluated by default (see :mod:`icecache.eval.recall`).
-METHODS: Tuple[str, ...] = ("oracle", "quest", "streamingllm", "icecache", "reference")
+METHODS: Tuple[str, ...] = (
+    "oracle",
+    "quest",
+    "streamingllm",
+    "icecache",
+    "icecache_ranked",
+    "icecache_adaptive",
+    "reference",
+)
 #: Extra methods for investigating IceCache's losses.
 DIAGNOSTIC_METHODS: Tuple[str, ...] = (
     "icecache_pagemass",
@@ -41,6 +49,8 @@ METHOD_LABELS: Dict[str, str] = {
     "quest": "Quest",
     "streamingllm": "StreamingLLM",
     "icecache": "IceCache",
+    "icecache_ranked": "IceCache, superset ranked on device",
+    "icecache_adaptive": "IceCache, adaptive budgets",
     "reference": "IceCache ref. config",
     "icecache_pagemass": "IceCache pages, true-mass ranking",
     "icecache_maxkey": "IceCache pages, max-key round-robin",
@@ -50,6 +60,8 @@ METHOD_LABELS: Dict[str, str] = {
 # Which HeadForest configuration each forest-based method uses.
 _FOREST_OF = {
     "icecache": "default",
+    "icecache_ranked": "default",
+    "icecache_adaptive": "default",
     "icecache_pagemass": "default",
     "icecache_maxkey": "default",
     "reference": "reference",
@@ -87,11 +99,12 @@ def quest_page_bounds(
 class Query:
     """Everything the methods need about one (layer, query position): all KV heads at once."""
 
-    def __init__(self, qg, k_mid, raw_mid, p_mid, kbounds, page_size, forests):
+    def __init__(self, qg, k_mid, raw_mid, p_mid, base_mass, kbounds, page_size, forests):
         self.qg = qg  # [H_kv, G, D] float32 queries of each group
         self.k_mid = k_mid  # [H_kv, n_mid, D] float32 middle keys
         self.raw_mid = raw_mid  # [H_kv, G, n_mid] raw q.k of the middle
         self.p_mid = p_mid  # [H_kv, G, n_mid] full-context softmax weights of the middle
+        self.base_mass = base_mass  # [H_kv, G] full-context softmax mass of sink + window
         self.kbounds = kbounds  # (kmin, kmax) [H_kv, P, D] of the positional pages
         self.page = page_size
         self.forests = forests  # callable: config name -> Forest (built lazily)
@@ -137,7 +150,8 @@ class Forest:
 
 
 #: One method's choice at one budget: per KV head the middle indices attended, then the pages
-#: per KV head (NaN for token methods) and the budget charged per KV head.
+#: per KV head (NaN for token methods) and the budget charged per KV head (the adaptive method
+#: charges some heads more than the budget and others less; never more in all).
 Selection = Tuple[List[np.ndarray], np.ndarray, np.ndarray]
 #: A method: ``(query, middle tokens per budget, pages per budget) -> one Selection per budget``.
 Selector = Callable[[Query, Sequence[int], Sequence[int]], List[Selection]]
@@ -262,6 +276,57 @@ def _sel_forest_select(
     return _page_sel(ctx, pages, pick)
 
 
+def _sel_device_ranked(
+    ctx: Query,
+    extras: Sequence[int],
+    pages: Sequence[int],
+    *,
+    adaptive: bool,
+    scale: float,
+    effort: Optional[float],
+    timings: Dict[str, float],
+) -> List[Selection]:
+    """The runtime's choice with fresh selection: ``HeadForest.select`` picks a superset of
+    ``max(4 n, 32)`` pages per KV head (``IceCacheConfig.selected_pages``) with this step's
+    queries, which the device ranks by exact group mass, each query head's softmax taken over
+    the superset, sink and window tokens as on the device; fixed: each head's ``n`` heaviest,
+    ``adaptive``: the ``H_kv * n`` pages of all heads with the largest share of their head's
+    superset mass (``budget_mode="adaptive"``)."""
+    from icecache.runtime.config import SUPERSET_FACTOR, SUPERSET_MIN
+
+    f = ctx.forests("default")
+    H_kv, G, D = ctx.qg.shape
+    queries = np.ascontiguousarray(ctx.qg.reshape(H_kv * G, D), dtype=np.float32)
+    per_page = [f.page_reduce(h, ctx.p_mid[h], np.add) for h in range(H_kv)]  # [G, pages] by page id
+    out: List[Selection] = []
+    for n in pages:
+        if n == 0:
+            out.append(([np.zeros(0, np.int64)] * H_kv, np.zeros(H_kv), np.zeros(H_kv)))
+            continue
+        t0 = time.perf_counter()
+        sel, counts = f.hf.select(queries, max(SUPERSET_FACTOR * n, SUPERSET_MIN), scale=scale, effort=effort)
+        timings["select_s"] = timings.get("select_s", 0.0) + time.perf_counter() - t0
+        ranked, masses = [], []
+        for h in range(H_kv):
+            pg = np.asarray(sel[h, : counts[h]], np.int64)
+            pm = per_page[h][:, np.searchsorted(f.page_ids[h], pg)]  # [G, superset]
+            # The device's softmax runs over the superset and the dense tokens only.
+            mass = (pm / (ctx.base_mass[h] + pm.sum(1))[:, None]).sum(0)
+            order = np.argsort(-mass, kind="stable")
+            ranked.append(pg[order])
+            masses.append(mass[order])
+        if adaptive:  # each page's share of its head's superset mass, as on the device
+            shares = np.concatenate([m / max(m.sum(), np.finfo(float).tiny) for m in masses])
+            heads = np.concatenate([np.full(len(m), h) for h, m in enumerate(masses)])
+            best = np.argsort(-shares, kind="stable")[: H_kv * n]
+            take = np.bincount(heads[best], minlength=H_kv)
+        else:
+            take = np.array([min(n, len(r)) for r in ranked])
+        toks = [f.tokens(h, ranked[h][: take[h]]) for h in range(H_kv)]
+        out.append((toks, take.astype(float), take * float(ctx.page)))
+    return out
+
+
 def _maxkey_rr(config: str):
     def sel(ctx: Query, extras: Sequence[int], pages: Sequence[int]) -> List[Selection]:
         f = ctx.forests(config)
@@ -327,6 +392,12 @@ def make_selectors(scale: float, effort: Optional[float], timings: Dict[str, flo
         "quest": _sel_quest,
         "quest_pagemass": _sel_quest_mass,
         "icecache": lambda c, e, p: _sel_forest_select(c, e, p, scale=scale, effort=effort, timings=timings),
+        "icecache_ranked": lambda c, e, p: _sel_device_ranked(
+            c, e, p, adaptive=False, scale=scale, effort=effort, timings=timings
+        ),
+        "icecache_adaptive": lambda c, e, p: _sel_device_ranked(
+            c, e, p, adaptive=True, scale=scale, effort=effort, timings=timings
+        ),
         "reference": _maxkey_rr("reference"),
         "icecache_maxkey": _maxkey_rr("default"),
         "icecache_pagemass": _pagemass("default"),
