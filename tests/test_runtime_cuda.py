@@ -64,28 +64,35 @@ def test_cuda_pages_move_through_pinned_staging(reuse, lookahead, pool_checks): 
     assert 0 < cache.stats.recall <= 1
 
 
-@pytest.mark.parametrize("ranked", [True, False])
-def test_cuda_ranked_attention_equals_the_cpu_reference(ranked):
+@pytest.mark.parametrize("ranked, adaptive", [(True, False), (False, False), (True, True), (False, True)])
+def test_cuda_ranked_attention_equals_the_cpu_reference(ranked, adaptive):
     """The device path gives the CPU reference's result for the same inputs and selection."""
     inputs = _ranked_inputs(5, B=2, H=4, G=4, D=64, C=12, S=16, L=48)
     B, H, C = inputs[2].shape[:3]
     keep = None if ranked else torch.rand(B, H, C) < 0.4
     got = ranked_decode_attention(
-        *[t.cuda() for t in inputs], pages=5, scale=0.125, keep=None if keep is None else keep.cuda()
+        *[t.cuda() for t in inputs],
+        pages=5,
+        scale=0.125,
+        keep=None if keep is None else keep.cuda(),
+        adaptive=adaptive,
     )
-    cpu = ranked_decode_attention(*inputs, pages=5, scale=0.125, keep=keep)
+    cpu = ranked_decode_attention(*inputs, pages=5, scale=0.125, keep=keep, adaptive=adaptive)
     assert torch.equal(got.kept.cpu(), cpu.kept)
     torch.testing.assert_close(got.out.cpu(), _naive_ranked(*inputs, cpu.kept, 0.125), rtol=1e-4, atol=1e-4)
 
 
-def test_cuda_graphs_decode_like_the_eager_path():
+@pytest.mark.parametrize("budget_mode", ["fixed", "adaptive"])
+def test_cuda_graphs_decode_like_the_eager_path(budget_mode):
     """Replaying each layer's device step from CUDA graphs (window write, page loads, ranking,
     attention, hand-off) gives the eager result."""
     model = tiny_model("llama").cuda()
     ids, mask = _padded_batch()
     runs = []
     for graphs in (True, False):
-        cfg = IceCacheConfig(budget=96, full_layers=1, superset_pages=12, pool_pages=16, cuda_graphs=graphs)
+        cfg = IceCacheConfig(
+            budget=96, full_layers=1, superset_pages=12, pool_pages=16, cuda_graphs=graphs, budget_mode=budget_mode
+        )
         cache = IceCache(cfg, model)
         runs.append(run_steps(model, ids, cache, 40, attention_mask=mask))
         assert all(bool(layer._step._graphs) == graphs for layer in ice_layers(cache))
