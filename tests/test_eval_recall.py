@@ -17,7 +17,9 @@ from icecache.eval import recall as R
 needs_forest = pytest.mark.skipif(not hasattr(icecache, "HeadForest"), reason="icecache.HeadForest not built")
 
 BASE = ["oracle", "quest", "streamingllm"]
-FOREST = ["icecache", "reference"]
+FOREST = ["icecache", "icecache_ranked", "reference"]
+#: Methods whose KV heads' page counts differ (the budget holds over a step's heads).
+SHARED = ["icecache_adaptive"]
 ALL_DIAG = list(R.DIAGNOSTIC_METHODS)
 
 
@@ -128,7 +130,7 @@ def _whole_middle_budget(docs, sink=16, window=16, page=16):
 def test_whole_middle_budget_is_exact(with_forest):
     docs = synth_docs(3, n_docs=1, T=200, nq=3)
     B = _whole_middle_budget(docs)
-    methods = BASE + ["quest_pagemass"] + (FOREST + ALL_DIAG if with_forest else [])
+    methods = BASE + ["quest_pagemass"] + (FOREST + SHARED + ALL_DIAG if with_forest else [])
     res = R.evaluate_qkv(docs, budgets=[B], methods=methods)
     for m in res.methods:
         i = res.methods.index(m)
@@ -141,15 +143,20 @@ def test_whole_middle_budget_is_exact(with_forest):
 def test_budget_accounting_never_exceeds(with_forest):
     docs = synth_docs(4, n_docs=1, T=300, nq=4)
     budgets = [32, 40, 47, 48, 63, 64, 100, 128, 200, 256]
-    methods = BASE + ["quest_pagemass"] + (FOREST + ALL_DIAG if with_forest else [])
+    methods = BASE + ["quest_pagemass"] + (FOREST + SHARED + ALL_DIAG if with_forest else [])
     res = R.evaluate_qkv(docs, budgets=budgets, methods=methods)
-    B = np.asarray(budgets)[None, :, None, None, None]
-    assert np.all(res.charged <= B)
+    B = np.asarray(budgets)[None, :, None, None]
+    assert np.all(res.charged.mean(3) <= B + 1e-9)
+    fixed = [i for i, m in enumerate(res.methods) if m not in SHARED]
+    assert np.all(res.charged[fixed] <= B[..., None])
     for m in res.methods:
         i = res.methods.index(m)
         for bi, b in enumerate(budgets):
             allowed = (b - 32) // 16
-            if m in ("oracle", "streamingllm"):
+            if m in SHARED:  # [layer, KV head, query]: the heads' pages add up to the allowance
+                assert np.all(res.pages[i, bi].sum(1) <= res.pages.shape[3] * allowed), m
+                assert np.all(res.tokens[i, bi] <= 16 * res.pages[i, bi]), m
+            elif m in ("oracle", "streamingllm"):
                 assert np.all(res.tokens[i, bi] <= b - 32)
                 assert np.all(np.isnan(res.pages[i, bi]))
             else:
@@ -237,6 +244,35 @@ def _fake_capture(monkeypatch):
 
     monkeypatch.setattr("icecache.eval.recall.evaluate.load_or_capture", fake)
     return calls
+
+
+def test_cli_passes_the_kind_of_text(monkeypatch, tmp_path):
+    from icecache import cli
+
+    kinds = []
+
+    def fake(*args, **kwargs):
+        kinds.append(kwargs["kind"])
+        return synth_docs(7, n_docs=1, nq=2)
+
+    monkeypatch.setattr("icecache.eval.recall.evaluate.load_or_capture", fake)
+    argv = ["eval", "recall", "--out", str(tmp_path), "--quiet", "--no-plot", "--budgets", "64", "--layers", "0"]
+    assert cli.main(argv + ["--methods", *BASE, "--kind", "code"]) == 0
+    assert cli.main(argv + ["--methods", *BASE]) == 0
+    assert kinds == ["code", "prose"]
+    with pytest.raises(ValueError, match="kind"):
+        R.load_or_capture(1, 100, kind="poetry", cache_dir=tmp_path, progress=False)
+
+
+@needs_forest
+def test_adaptive_budgets_move_pages_between_heads():
+    """``icecache_adaptive`` gives some heads more pages than the fixed share and others fewer,
+    never more in all; ``icecache_ranked`` ranks the same superset with a fixed share."""
+    docs = synth_docs(8, n_docs=1, T=400, H_kv=3, nq=4)
+    res = R.evaluate_qkv(docs, budgets=[96], methods=["icecache_ranked", "icecache_adaptive"])
+    fixed, shared = res.pages[0, 0], res.pages[1, 0]  # [layer, KV head, query]
+    assert np.all(fixed == 4)
+    assert np.all(shared.sum(1) <= 3 * 4) and shared.max() > 4 and shared.min() < 4
 
 
 def test_missing_matplotlib_is_found_before_any_work(monkeypatch, tmp_path):

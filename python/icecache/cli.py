@@ -77,6 +77,7 @@ def _cmd_eval_recall(args: argparse.Namespace) -> int:
         window=args.window,
         page_size=args.page_size,
         seed=args.seed,
+        kind=args.kind,
         effort=args.effort,
         cache_dir=args.cache_dir,
         out_dir=args.out,
@@ -213,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     rc.add_argument("--docs", type=int, default=2, help="documents (default 2)")
+    rc.add_argument(
+        "--kind", choices=["prose", "code"], default="prose", help="shipped texts: Austen prose or Python code"
+    )
     rc.add_argument("--tokens", type=int, default=8000, help="tokens per document (default 8000)")
     rc.add_argument(
         "--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS), help="token budgets (default 64 128 256 512)"

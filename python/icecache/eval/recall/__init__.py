@@ -2,11 +2,11 @@
 
 How much of the attention a decode query would pay to the full KV cache lands on the tokens a
 retrieval method keeps, at a fixed token budget. Data: real post-RoPE queries, keys and values of
-SmolLM2-135M-Instruct (30 layers, 9 query heads, 3 KV heads, head dim 64) on real text (Jane
-Austen, shipped with the package), captured once per document and cached in
-``~/.cache/icecache/eval/`` (``$ICECACHE_EVAL_CACHE`` overrides): queries float32 at the query
-positions, keys and values float16 at all positions. All methods and the reference attention
-use the same (float16-rounded) keys and values.
+SmolLM2-135M-Instruct (30 layers, 9 query heads, 3 KV heads, head dim 64) on real text shipped
+with the package (Jane Austen by default; CPython standard-library code with ``kind="code"``),
+captured once per document and cached in ``~/.cache/icecache/eval/`` (``$ICECACHE_EVAL_CACHE``
+overrides): queries float32 at the query positions, keys and values float16 at all positions.
+All methods and the reference attention use the same (float16-rounded) keys and values.
 
 Protocol, for one document of ``T`` tokens, one layer (default: every layer >= 2; layers 0 and 1
 keep their full cache in IceCache), one KV head ``h`` and one query position ``t``:

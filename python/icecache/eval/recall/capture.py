@@ -62,10 +62,11 @@ def default_eval_cache_dir() -> Path:
 
 
 def _cache_path(
-    cache_dir: Path, model: str, n_docs: int, i: int, n_tokens: int, seed: int, positions: np.ndarray
+    cache_dir: Path, model: str, n_docs: int, i: int, n_tokens: int, seed: int, positions: np.ndarray, kind: str
 ) -> Path:
     tag = hashlib.sha256(np.asarray(positions, np.int64).tobytes()).hexdigest()[:10]
-    return cache_dir / f"{model}_v{_CACHE_FORMAT}_T{n_tokens}_s{seed}_doc{i}of{n_docs}_q{tag}.npz"
+    kind_tag = "" if kind == "prose" else f"_{kind}"  # prose captures keep their earlier names
+    return cache_dir / f"{model}_v{_CACHE_FORMAT}{kind_tag}_T{n_tokens}_s{seed}_doc{i}of{n_docs}_q{tag}.npz"
 
 
 def load_or_capture(
@@ -78,12 +79,14 @@ def load_or_capture(
     layers: Optional[Sequence[int]] = None,
     model: str = "smollm2",
     seed: int = 0,
+    kind: str = "prose",
     cache_dir: Optional[Union[str, os.PathLike]] = None,
     progress: bool = True,
 ) -> List[DocQKV]:
     """Real post-RoPE Q/K/V of ``model`` on ``n_docs`` documents of ``n_tokens`` tokens.
 
-    Documents come from :func:`icecache.texts.documents` (``seed``). Each document is captured
+    Documents come from :func:`icecache.texts.documents` (``seed``, ``kind``: ``"prose"`` or
+    ``"code"``). Each document is captured
     once with :func:`icecache.capture.capture_qkv` (all layers; about 50 s for 8000 tokens of
     SmolLM2 on 2 cores) and cached as one ``.npz`` per document in ``cache_dir`` (default
     :func:`default_eval_cache_dir`): queries float32 at ``positions`` only, keys and values
@@ -97,11 +100,13 @@ def load_or_capture(
     Returns:
         One :class:`DocQKV` per document.
     """
+    if kind not in ("prose", "code"):
+        raise ValueError(f"kind must be 'prose' or 'code', got {kind!r}")
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_eval_cache_dir()
     pos = query_positions(n_tokens, n_queries, query_frac) if positions is None else np.asarray(positions, np.int64)
     if pos.ndim != 1 or pos.size == 0 or pos.min() < 0 or pos.max() >= n_tokens:
         raise ValueError(f"query positions must lie in [0, {n_tokens})")
-    paths = [_cache_path(cache, model, n_docs, i, n_tokens, seed, pos) for i in range(n_docs)]
+    paths = [_cache_path(cache, model, n_docs, i, n_tokens, seed, pos, kind) for i in range(n_docs)]
     state: Dict[str, Any] = {}
 
     def model_and_docs():
@@ -110,7 +115,7 @@ def load_or_capture(
 
             m, tok = models.load_model(model)
             state["model"] = m
-            state["docs"] = texts.documents(tok, n_docs, n_tokens, seed=seed)
+            state["docs"] = texts.documents(tok, n_docs, n_tokens, seed=seed, kind=kind)
         return state["model"], state["docs"]
 
     out: List[DocQKV] = []

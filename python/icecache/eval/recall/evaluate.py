@@ -279,6 +279,7 @@ def evaluate_recall(
     page_size: int = 16,
     model: str = "smollm2",
     seed: int = 0,
+    kind: str = "prose",
     effort: Optional[float] = None,
     cache_dir: Optional[Union[str, os.PathLike]] = None,
     out_dir: Optional[Union[str, os.PathLike]] = None,
@@ -313,6 +314,7 @@ def evaluate_recall(
         layers=None,
         model=model,
         seed=seed,
+        kind=kind,
         cache_dir=cache_dir,
         progress=progress,
     )
@@ -340,7 +342,7 @@ def evaluate_recall(
     )
     res.timings["capture_or_load_s"] = t_cap
     res.timings["total_s"] = time.perf_counter() - t0
-    res.info.update(model=model, n_tokens=n_tokens, n_queries=n_queries, query_frac=query_frac)
+    res.info.update(model=model, kind=kind, n_tokens=n_tokens, n_queries=n_queries, query_frac=query_frac)
     if out_dir is not None:
         out = Path(out_dir)
         res.save_table(out / "recall_table.md")
