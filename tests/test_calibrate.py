@@ -216,8 +216,7 @@ def test_head_forest_calibrates_each_head_and_select_uses_it():
 def test_lookahead_layer_selects_at_each_heads_own_effort():
     """``LookAheadLayer(effort=None)`` selects as ``HeadForest.select(effort=None)`` (each KV
     head at its own effort, here 3), not at effort 1; a given effort is still validated."""
-    from icecache import _core
-    from icecache import HeadForest, ResidentPages
+    from icecache import HeadForest, ResidentPages, _core
 
     rng = np.random.default_rng(5)
     h_kv, group, n, d, ps, m = 2, 2, 3000, 16, 16, 4
@@ -244,7 +243,7 @@ def test_lookahead_layer_selects_at_each_heads_own_effort():
     jobs = _core.LookAheadLayer(*args, **shape)  # effort=None: each head's own
     jobs.set_lane(0, k_store, v_store, forest=f, resident=ResidentPages(h_kv, 2 * m))
     differs = 0
-    for step in range(12):
+    for _ in range(12):
         queries[0] = 2 * rng.standard_normal((h_kv * group, d))
         jobs.start([0])
         jobs.wait()

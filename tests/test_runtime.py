@@ -264,7 +264,7 @@ def test_config_accepts_what_the_index_accepts():
 def test_config_effort_auto():
     """``effort="auto"`` is the only string; its index starts at the least effort it allows and
     calibrates for the k whose field of view the selected pages hold (at most the keys)."""
-    with pytest.raises(ValueError, match='IceCacheConfig.effort must be a number or "auto", got the string \'fast\''):
+    with pytest.raises(ValueError, match="IceCacheConfig.effort must be a number or \"auto\", got the string 'fast'"):
         IceCacheConfig(effort="fast")
     cfg = IceCacheConfig(effort="auto")
     assert cfg.calibrates and not IceCacheConfig().calibrates
@@ -837,6 +837,45 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
         assert predicted[:answer_tokens] == full[:answer_tokens].tolist(), f"planted line not retrieved ({name})"
         assert agree[lookahead] >= 0.95
     assert agree[True] >= agree[False] - 0.01, "look-ahead agrees more than one point less than fresh selection"
+
+
+def test_smollm2_effort_auto_calibrates_every_layer_and_stays_exact(smollm2):
+    """``effort="auto"`` on a real 1,000-token prose prompt: every IceCache layer calibrates its
+    index at prefill (recall@256 at budget 128, each KV head from its GQA group's 64 last
+    queries) and reaches the target, at efforts >= 1 that differ between (layer, KV head)s
+    (measured: some above 1); with the budget covering the context (fresh selection, at each
+    head's own effort) greedy generation equals the full cache's."""
+    from icecache import texts
+
+    model, tokenizer = smollm2
+    ids = torch.tensor([texts.documents(tokenizer, 1, 1000, seed=0, kind="prose")[0]])
+    text_config = model.config.get_text_config(decoder=True)
+    group = text_config.num_attention_heads // text_config.num_key_value_heads
+    cache = IceCache(IceCacheConfig(budget=128, effort="auto"), model)
+    with torch.inference_mode():
+        model(ids, cache=cache, logits_to_keep=1)
+    cache.wait_indexed()
+    layers = ice_layers(cache)
+    assert len(layers) == text_config.num_hidden_layers - 2
+    efforts = []
+    for layer in layers:
+        (index,) = layer.indexes
+        assert index.calibrations is not None and len(index.calibrations) == layer.heads
+        for c in index.calibrations:
+            assert (c.k, c.queries, c.target_recall) == (256, group * 64, 0.975)
+            assert c.reached and c.effort >= 1.0 and c.recall - 2 * c.recall_stderr >= 0.975
+        assert index.forest.efforts == pytest.approx([c.effort for c in index.calibrations])
+        efforts += index.forest.efforts
+    assert max(efforts) > 1.0, f"every (layer, KV head) calibrated to effort 1: {efforts}"
+    assert cache.stats.calibrate_s > 0
+
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    with torch.inference_mode():
+        full = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), **kw)
+        cache = IceCache(IceCacheConfig(budget=4096, lookahead=False, effort="auto"), model)
+        ice = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
+    assert torch.equal(ice, full)
+    assert all(layer.indexes[0].calibrations for layer in ice_layers(cache))
 
 
 @pytest.fixture(scope="module")
