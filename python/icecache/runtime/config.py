@@ -262,7 +262,9 @@ class IceCacheConfig:
         ``keys`` tokens per head: ``selected_pages * page_size / 2``, at most ``keys``. A
         selection of that many pages scores the field of view of a ``k``-query at its effort
         whenever ``selected_pages * page_size >= 2 * k * max(effort, 1)``
-        (``HeadForest.calibrate``), which holds at the least effort ``"auto"`` allows (1)."""
+        (``HeadForest.calibrate``), which holds at effort 1, the least ``"auto"`` allows; above
+        it, where the pool sets the field of view (short prompts), a ``k``-query looks further
+        than the selection at the same effort, so the calibrated recall can be optimistic."""
         return max(1, min(self.selected_pages * self.page_size // _RERANK, keys))
 
     def index_kwargs(self) -> dict:
