@@ -211,3 +211,46 @@ def test_head_forest_calibrates_each_head_and_select_uses_it():
         for head, c in enumerate(found):
             at, _ = f.select(step, 4, effort=c.effort)
             np.testing.assert_array_equal(own[head], at[head])
+
+
+def test_lookahead_layer_selects_at_each_heads_own_effort():
+    """``LookAheadLayer(effort=None)`` selects as ``HeadForest.select(effort=None)`` (each KV
+    head at its own effort, here 3), not at effort 1; a given effort is still validated."""
+    from icecache import HeadForest, ResidentPages, _core
+
+    rng = np.random.default_rng(5)
+    h_kv, group, n, d, ps, m = 2, 2, 3000, 16, 16, 4
+    keys = rng.standard_normal((h_kv, n, d)).astype(np.float32)
+    values = rng.standard_normal((h_kv, n, d)).astype(np.float32)
+    f = HeadForest(keys, seed=1, threads=1, effort=3.0)
+    assert f.efforts == [3.0, 3.0]
+    k_store = np.zeros((h_kv, f.max_pages() + 1, ps, d), np.float32)
+    v_store = np.zeros_like(k_store)
+    f.write_pages(keys, values, k_store, v_store)
+    layout = _core.LookAheadLayer.staging_layout(
+        batch=1, kv_heads=h_kv, dim=d, page_size=ps, itemsize=4, max_pages=m, capacity=2 * m
+    )
+    queries = np.zeros((1, h_kv * group, d), np.float32)
+    flag = np.zeros(1, np.int64)
+    flush_k = np.zeros((1, h_kv, ps, d), np.float32)
+    flush_v = np.zeros_like(flush_k)
+    staging = np.zeros(layout.bytes, np.uint8)
+    args = (_core.LookAhead(1), queries, flag, flush_k, flush_v, staging)
+    shape = dict(kv_heads=h_kv, page_size=ps, max_pages=m, scale=0.25)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="effort"):
+            _core.LookAheadLayer(*args, **shape, effort=bad)
+    jobs = _core.LookAheadLayer(*args, **shape)  # effort=None: each head's own
+    jobs.set_lane(0, k_store, v_store, forest=f, resident=ResidentPages(h_kv, 2 * m))
+    differs = 0
+    for _ in range(12):
+        queries[0] = 2 * rng.standard_normal((h_kv * group, d))
+        jobs.start([0])
+        jobs.wait()
+        got = jobs.selected()[0]
+        own, _ = f.select(queries[0], m, scale=0.25)
+        np.testing.assert_array_equal(got, own)
+        at_one, _ = f.select(queries[0], m, scale=0.25, effort=1.0)
+        differs += not np.array_equal(got, at_one)
+    jobs.clear()
+    assert differs > 0, "effort 3 and effort 1 select alike: the test cannot tell them apart"

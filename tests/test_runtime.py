@@ -235,6 +235,8 @@ def test_bad_config_fails_when_made(kwargs, match):
         ("effort", float("nan")),
         ("effort", True),
         ("effort", "1"),
+        ("effort", "Auto"),
+        ("effort", "fast"),
         ("device", "cuda:99"),
         ("device", "nonsense"),
         ("lookahead", 1),
@@ -258,6 +260,20 @@ def test_config_accepts_what_the_index_accepts():
     cfg = IceCacheConfig(seed=2**64 - 1, threads=1, num_simple=64, num_composite=16, promotion=[0.5] * 15)
     icecache.HeadForest(np.ones((1, 20, 8), np.float32), **cfg.index_kwargs())
     cfg = IceCacheConfig(promotion=0.25, effort=3, device="cpu", seed=None)
+    icecache.HeadForest(np.ones((1, 20, 8), np.float32), **cfg.index_kwargs())
+
+
+def test_config_effort_auto():
+    """``effort="auto"`` is the only string; its index starts at the least effort it allows and
+    calibrates for the k whose field of view the selected pages hold (at most the keys)."""
+    with pytest.raises(ValueError, match="IceCacheConfig.effort must be a number or \"auto\", got the string 'fast'"):
+        IceCacheConfig(effort="fast")
+    cfg = IceCacheConfig(effort="auto")
+    assert cfg.calibrates and not IceCacheConfig().calibrates
+    assert cfg.index_kwargs()["effort"] == icecache._core.AUTO_MIN_EFFORT == 1.0
+    assert icecache._core.AUTO_TARGET == 0.975
+    assert cfg.calibration_k(10_000) == 52 * 16 // 2 and cfg.calibration_k(300) == 300
+    assert IceCacheConfig(effort="auto", lookahead=False).calibration_k(10_000) == 13 * 16 // 2
     icecache.HeadForest(np.ones((1, 20, 8), np.float32), **cfg.index_kwargs())
 
 
@@ -717,6 +733,60 @@ def test_from_prefilled_equals_own_prefill():
     assert prefix.get_seq_length() == 300  # the source is left as it was
 
 
+def test_effort_auto_calibrates_each_leader_on_its_prompt_queries(monkeypatch):
+    """``effort="auto"``: each leading layer calibrates every sequence's index on the queries of
+    the last 64 real prompt positions (the attention's own post-RoPE queries, all query heads);
+    layers reusing a leader's selection calibrate nothing; with the budget covering the
+    context the decode equals the full cache; ``from_prefilled`` refuses it."""
+    model = tiny_model("llama")
+    a, b = prompt_ids(300, seed=9), prompt_ids(200, seed=10)
+    ids = torch.zeros(2, 300, dtype=torch.long)
+    mask = torch.zeros(2, 300, dtype=torch.long)
+    ids[0], mask[0] = a[0], 1
+    ids[1, 100:], mask[1, 100:] = b[0], 1  # left padding
+    full = run_steps(model, ids, DynamicCache(config=model.config), 20, attention_mask=mask)
+
+    from transformers.integrations import sdpa_attention
+
+    prompt_queries, calibrated = {}, []
+    sdpa, calibrate = sdpa_attention.sdpa_attention_forward, PageIndex.calibrate
+
+    def seen(module, query, *args, **kwargs):
+        if query.shape[2] > 1:
+            prompt_queries[module.layer_idx] = query.detach().clone()
+        return sdpa(module, query, *args, **kwargs)
+
+    def recorded(self, queries):
+        calibrated.append((self, queries.clone()))
+        return calibrate(self, queries)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", seen)
+    monkeypatch.setattr(PageIndex, "calibrate", recorded)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=2, effort="auto")
+    cache = IceCache(cfg, model)
+    ice = run_steps(model, ids, cache, 20, attention_mask=mask)
+    torch.testing.assert_close(ice, full, rtol=1e-4, atol=1e-4)
+
+    layers = ice_layers(cache)
+    leaders = [layer for layer in layers if layer.leader is None]
+    assert len(leaders) == 2 and len(layers) == 4
+    assert len(calibrated) == 2 * len(leaders)  # every sequence of every leader, once
+    by_index = {id(index): queries for index, queries in calibrated}
+    for layer in leaders:
+        q = prompt_queries[layer.layer_idx]  # [B, H_q, T, D]
+        for seq, index in enumerate(layer.indexes):
+            torch.testing.assert_close(by_index[id(index)], q[seq, :, -64:], rtol=0, atol=0)
+            assert index.calibrations is not None and len(index.calibrations) == 2  # KV heads
+            keys = (300 if seq == 0 else 200) - 16 - 32  # the prompt's middle
+            for c in index.calibrations:
+                assert (c.queries, c.k, c.target_recall) == (2 * 64, cfg.calibration_k(keys), 0.975)
+                assert c.reached and c.effort >= 1.0
+            assert index.forest.efforts == pytest.approx([c.effort for c in index.calibrations])
+    assert cache.stats.calibrate_s > 0
+    with pytest.raises(ValueError, match="from_prefilled cannot serve effort=.auto."):
+        IceCache.from_prefilled(cfg, model, DynamicCache(config=model.config))
+
+
 def test_prompt_shorter_than_sink_and_window():
     model = tiny_model("llama")
     ids = prompt_ids(20, seed=7)
@@ -824,6 +894,45 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
         assert predicted[:answer_tokens] == full[:answer_tokens].tolist(), f"planted line not retrieved ({name})"
         assert agree[lookahead] >= 0.95
     assert agree[True] >= agree[False] - 0.01, "look-ahead agrees more than one point less than fresh selection"
+
+
+def test_smollm2_effort_auto_calibrates_every_layer_and_stays_exact(smollm2):
+    """``effort="auto"`` on a real 1,000-token prose prompt: every IceCache layer calibrates its
+    index at prefill (recall@256 at budget 128, each KV head from its GQA group's 64 last
+    queries) and reaches the target, at efforts >= 1 that differ between (layer, KV head)s
+    (measured: some above 1); with the budget covering the context (fresh selection, at each
+    head's own effort) greedy generation equals the full cache's."""
+    from icecache import texts
+
+    model, tokenizer = smollm2
+    ids = torch.tensor([texts.documents(tokenizer, 1, 1000, seed=0, kind="prose")[0]])
+    text_config = model.config.get_text_config(decoder=True)
+    group = text_config.num_attention_heads // text_config.num_key_value_heads
+    cache = IceCache(IceCacheConfig(budget=128, effort="auto"), model)
+    with torch.inference_mode():
+        model(ids, cache=cache, logits_to_keep=1)
+    cache.wait_indexed()
+    layers = ice_layers(cache)
+    assert len(layers) == text_config.num_hidden_layers - 2
+    efforts = []
+    for layer in layers:
+        (index,) = layer.indexes
+        assert index.calibrations is not None and len(index.calibrations) == layer.heads
+        for c in index.calibrations:
+            assert (c.k, c.queries, c.target_recall) == (256, group * 64, 0.975)
+            assert c.reached and c.effort >= 1.0 and c.recall - 2 * c.recall_stderr >= 0.975
+        assert index.forest.efforts == pytest.approx([c.effort for c in index.calibrations])
+        efforts += index.forest.efforts
+    assert max(efforts) > 1.0, f"every (layer, KV head) calibrated to effort 1: {efforts}"
+    assert cache.stats.calibrate_s > 0
+
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    with torch.inference_mode():
+        full = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), **kw)
+        cache = IceCache(IceCacheConfig(budget=4096, lookahead=False, effort="auto"), model)
+        ice = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
+    assert torch.equal(ice, full)
+    assert all(layer.indexes[0].calibrations for layer in ice_layers(cache))
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,8 @@ from typing_extensions import Self, final
 
 __all__ = [
     "__version__",
+    "AUTO_TARGET",
+    "AUTO_MIN_EFFORT",
     "IndexFileError",
     "DCIIndex",
     "Calibration",
@@ -37,6 +39,12 @@ __all__ = [
 ]
 
 __version__: str
+#: ``target_recall`` of ``DCIIndex(effort="auto")``'s calibration (0.975: it aims at 0.95 for the
+#: queries that follow the sample); the runtime's ``IceCacheConfig(effort="auto")`` uses it too.
+AUTO_TARGET: float
+#: ``min_effort`` of ``effort="auto"`` (1: never below the tuned default; later queries can be
+#: harder than the sample).
+AUTO_MIN_EFFORT: float
 
 class IndexFileError(ValueError):
     """A save file is truncated, corrupted, or from an incompatible version."""
@@ -416,7 +424,8 @@ class LookAheadLayer:
     Args:
         worker: the :class:`LookAhead` that runs the jobs.
         max_pages: pages selected per (sequence, KV head).
-        scale, effort, successors: as for :meth:`HeadForest.select`.
+        scale, effort, successors: as for :meth:`HeadForest.select` (``effort=None``: each KV
+            head's own, ``HeadForest.efforts``, as the constructor or ``calibrate`` set them).
         refresh: queued jobs select anew every ``refresh`` jobs, and whenever tokens were
             flushed; the others only insert (jobs run now always select).
     """
@@ -434,7 +443,7 @@ class LookAheadLayer:
         page_size: int,
         max_pages: int,
         scale: float,
-        effort: float,
+        effort: Optional[float] = None,
         successors: int = 0,
         refresh: int = 1,
         leader: Optional[LookAheadLayer] = None,

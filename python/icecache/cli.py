@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence, Set
+from typing import Any, Callable, List, Literal, Optional, Sequence, Set, Union
 
 __all__ = ["build_parser", "main"]
 
@@ -124,13 +124,31 @@ def _cmd_eval_agreement(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         full_layers=args.full_layers,
         threads=args.threads,
+        effort=args.effort,
     )
     print(res.to_markdown())
+    for run, cal in res.info.get("calibration", {}).items():
+        e = sorted(cal["efforts"])
+        print(
+            f"calibration {run}: {cal['seconds']:.2f} s over {cal['layers']} layers (k = {cal['k']}); "
+            f"efforts min {e[0]:.3g}, median {e[len(e) // 2]:.3g}, max {e[-1]:.3g}; "
+            f"{cal['reached']} of {cal['heads']} (layer, KV head)s reached the target"
+        )
     print(f"time: {sum(res.timings.values()):.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in res.timings.items())})")
     print(f"saved: {out / 'agreement_table.md'}, {out / 'agreement.json'}", flush=True)
     if plot:
         print(f"saved: {res.save_plot(out / 'agreement_vs_budget.png')}")
     return 0
+
+
+def _effort_arg(text: str) -> Union[float, Literal["auto"]]:
+    """``--effort``: ``"auto"`` or a number (``IceCacheConfig`` checks its range)."""
+    if text == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'must be a number or "auto", got {text!r}') from None
 
 
 def _add_agreement_parser(evals: Any) -> None:
@@ -169,6 +187,12 @@ def _add_agreement_parser(evals: Any) -> None:
         "--full-layers", type=int, default=2, help="leading full-attention layers that keep the full cache (default 2)"
     )
     ag.add_argument("--threads", type=int, default=None, help="torch and index threads (default: all cores)")
+    ag.add_argument(
+        "--effort",
+        type=_effort_arg,
+        default=1.0,
+        help='IceCache\'s search effort: a number, or "auto" to calibrate each layer on the prompt (default 1.0)',
+    )
     ag.add_argument("--seed", type=int, default=0, help="prompt choice (default 0)")
     ag.add_argument(
         "--out",

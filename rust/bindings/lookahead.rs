@@ -211,7 +211,7 @@ impl PyLookAheadLayer {
 impl PyLookAheadLayer {
     /// See ``icecache/_core.pyi``.
     #[new]
-    #[pyo3(signature = (worker, queries, flag, flush_k, flush_v, staging, *, kv_heads, page_size, max_pages, scale, effort, successors = 0, refresh = 1, leader = None))]
+    #[pyo3(signature = (worker, queries, flag, flush_k, flush_v, staging, *, kv_heads, page_size, max_pages, scale, effort = None, successors = 0, refresh = 1, leader = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         worker: PyRef<'_, PyLookAhead>,
@@ -224,7 +224,7 @@ impl PyLookAheadLayer {
         #[pyo3(from_py_with = sizes::page_size)] page_size: usize,
         #[pyo3(from_py_with = sizes::max_pages)] max_pages: usize,
         scale: f32,
-        effort: f32,
+        effort: Option<f32>,
         #[pyo3(from_py_with = sizes::successors)] successors: usize,
         #[pyo3(from_py_with = sizes::refresh)] refresh: usize,
         leader: Option<Py<PyLookAheadLayer>>,
@@ -250,7 +250,8 @@ impl PyLookAheadLayer {
             if !crate::pages::PAGE_SIZES.contains(&page_size) || max_pages == 0 {
                 return Err(PyValueError::new_err("page_size must be in 8..=64 and max_pages at least 1"));
             }
-            if !(scale.is_finite() && scale > 0.0 && effort.is_finite() && effort > 0.0) {
+            // `effort=None`: each KV head searches at its own effort (`HeadForest.efforts`).
+            if !(scale.is_finite() && scale > 0.0 && effort.is_none_or(|e| e.is_finite() && e > 0.0)) {
                 return Err(PyValueError::new_err("scale and effort must be positive numbers"));
             }
             let geometry = Geometry { heads: kv_heads, query_heads, dim, page_size, elem };
@@ -270,7 +271,7 @@ impl PyLookAheadLayer {
                 leader,
                 geometry,
                 batch,
-                select: SelectParams { max_pages, scale, effort: Some(effort), exact: false, successors },
+                select: SelectParams { max_pages, scale, effort, exact: false, successors },
                 refresh: refresh as u64,
                 queries: qb,
                 flag: fb,

@@ -19,6 +19,9 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("IndexFileError", m.py().get_type::<guard::IndexFileError>())?;
+    // What `effort="auto"` calibrates for: the runtime's prompt calibration uses the same.
+    m.add("AUTO_TARGET", crate::index::AUTO_TARGET)?;
+    m.add("AUTO_MIN_EFFORT", crate::index::AUTO_MIN_EFFORT)?;
     m.add_class::<dci_index::PyDciIndex>()?;
     m.add_class::<dci_index::PyCalibration>()?;
     m.add_class::<head_forest::PyHeadForest>()?;

@@ -139,7 +139,17 @@ class IceCache(Cache):
             cache: a full cache of ``model`` after the prompt (dense ``keys``/``values`` per
                 layer; sliding-window layers are copied as they are).
             attention_mask: the prompt's ``[B, T]`` padding mask (``None``: no padding).
+
+        Raises:
+            ValueError: ``config.effort == "auto"``: it calibrates on the prompt's queries,
+                which a full cache does not hold (run the prompt through an IceCache instead).
         """
+        if config is not None and config.calibrates:
+            raise ValueError(
+                'IceCache.from_prefilled cannot serve effort="auto": it calibrates each index on the '
+                "prompt's last queries, which a prefilled cache does not hold; run the prompt through "
+                "the IceCache instead"
+            )
         ice = cls(config, model, track_recall=track_recall)
         if len(cache.layers) != len(ice.layers):
             raise ValueError(f"cache has {len(cache.layers)} layers, the model {len(ice.layers)}")

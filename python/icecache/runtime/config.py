@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
-__all__ = ["IceCacheConfig"]
+__all__ = ["CALIBRATION_POSITIONS", "IceCacheConfig"]
 
 # HeadForest accepts pages of 8..=64 tokens.
 _PAGE_SIZES = range(8, 65)
@@ -17,6 +17,12 @@ SUPERSET_FACTOR = 4
 SUPERSET_MIN = 32
 #: How a layer's page budget is shared among its KV heads (see ``budget_mode``).
 BUDGET_MODES = ("fixed", "adaptive")
+#: With ``effort="auto"``: each IceCache layer calibrates its index on the queries of (up to) this
+#: many last prompt positions, of every query head.
+CALIBRATION_POSITIONS = 64
+#: The core's re-rank factor: a ``k``-query re-ranks ``2 * k * max(effort, 1)`` keys of its field
+#: of view (see ``HeadForest.calibrate``).
+_RERANK = 2
 
 
 def _is_int(value: Any) -> bool:
@@ -36,6 +42,8 @@ def _positive_int(value: Any) -> Optional[str]:
 
 
 def _effort(value: Any) -> Optional[str]:
+    if isinstance(value, str):
+        return None if value == "auto" else f'must be a number or "auto", got the string {value!r}'
     if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value)) and float(value) > 0:
         return None
     return f"must be > 0 and finite, got {value!r}"
@@ -165,7 +173,18 @@ class IceCacheConfig:
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
             supersets stay ranked too; with fresh selection ``budget // page_size`` (``"fixed"``)
             or ``superset_pages`` (``"adaptive"``).
-        effort, num_simple, num_composite, promotion, seed, threads: index parameters, passed
+        effort: the index's search effort (field of view), a number > 0 for every KV head, or
+            ``"auto"``: during prefill each IceCache layer keeps the queries of its last
+            ``CALIBRATION_POSITIONS`` prompt positions (every query head, post-RoPE, as the decode
+            steps' queries), and once its index is built (on the index worker, off the device's
+            path: the cost shows in the time until the index is ready) calibrates each KV head's
+            own effort on them (``HeadForest.calibrate``) for recall@``calibration_k`` with the
+            target and least effort of ``DCIIndex(effort="auto")`` (``AUTO_TARGET``,
+            ``AUTO_MIN_EFFORT``); selection then searches each head at its own effort. An index
+            built without prompt queries (a prompt within sink + window, whose index starts
+            at decode) keeps effort ``AUTO_MIN_EFFORT``; :meth:`IceCache.from_prefilled` has no
+            prompt queries and refuses ``"auto"``.
+        num_simple, num_composite, promotion, seed, threads: index parameters, passed
             to :class:`icecache.HeadForest` (``None``: the index's defaults). ``threads=None``
             is all cores in a single process; under ``torch.distributed`` with several ranks
             on one host, each rank's even share of them (:mod:`icecache.runtime.parallel`).
@@ -185,7 +204,7 @@ class IceCacheConfig:
     refresh: int = 1
     cuda_graphs: bool = True
     pool_pages: Optional[int] = None
-    effort: float = 1.0
+    effort: Union[float, Literal["auto"]] = 1.0
     num_simple: Optional[int] = None
     num_composite: Optional[int] = None
     promotion: Union[float, Sequence[float], None] = None
@@ -254,8 +273,26 @@ class IceCacheConfig:
             return self.selected_pages
         return self.budget // self.page_size
 
+    @property
+    def calibrates(self) -> bool:
+        """Whether each layer's index calibrates its efforts on the prompt (``effort="auto"``)."""
+        return self.effort == "auto"
+
+    def calibration_k(self, keys: int) -> int:
+        """The ``k`` of the recall@``k`` that ``effort="auto"`` calibrates for, on an index of
+        ``keys`` tokens per head: ``selected_pages * page_size / 2``, at most ``keys``. A
+        selection of that many pages scores the field of view of a ``k``-query at its effort
+        whenever ``selected_pages * page_size >= 2 * k * max(effort, 1)``
+        (``HeadForest.calibrate``), which holds at effort 1, the least ``"auto"`` allows; above
+        it, where the pool sets the field of view (short prompts), a ``k``-query looks further
+        than the selection at the same effort, so the calibrated recall can be optimistic."""
+        return max(1, min(self.selected_pages * self.page_size // _RERANK, keys))
+
     def index_kwargs(self) -> dict:
-        """Keyword arguments for :class:`icecache.HeadForest`."""
+        """Keyword arguments for :class:`icecache.HeadForest` (with ``effort="auto"``, the
+        effort every head starts at: ``AUTO_MIN_EFFORT``)."""
+        from icecache import _core
+
         return {
             "page_size": self.page_size,
             "seed": self.seed,
@@ -263,5 +300,5 @@ class IceCacheConfig:
             "num_simple": self.num_simple,
             "num_composite": self.num_composite,
             "promotion": self.promotion,
-            "effort": self.effort,
+            "effort": _core.AUTO_MIN_EFFORT if self.effort == "auto" else self.effort,
         }

@@ -11,7 +11,8 @@ thread-local slot, and the attention function takes it from there:
   which cost ~10 ms of host time per layer and step on the H200 machine (torch 2.11), more
   than the whole attention; the flash and memory-efficient kernels need no plan;
 - an IceCache layer with its prompt: exact SDPA over the prompt, then the layer offloads and
-  indexes it (the mask tells which positions are padding);
+  indexes it (the mask tells which positions are padding; with ``effort="auto"`` the layer
+  also keeps the prompt's last queries, to calibrate its index on);
 - an IceCache layer in a decode step: sparse attention over sink + selected pages + window.
 
 The mask function is transformers' ``sdpa_mask``; without a registered mask function,
@@ -86,7 +87,7 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
         if layer is not None:
-            layer.ingest_prompt(_valid_positions(attention_mask))
+            layer.ingest_prompt(_valid_positions(attention_mask), query)
         return out
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError("IceCache does not support attention logit soft-capping or attention sinks")

@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from icecache import _core
-from icecache.runtime.config import IceCacheConfig
+from icecache.runtime.config import CALIBRATION_POSITIONS, IceCacheConfig
 from icecache.runtime.integration import hand_off
 from icecache.runtime.pages import History, PageIndex, PageStore, numpy_view
 from icecache.runtime.step import DeviceStep
@@ -36,6 +36,8 @@ class RuntimeStats:
     ``copy_s`` the host-to-device copy of the step's pages and metadata and their scatter into
     the page pool, ``attend_s`` ranking and attention, ``recall_s`` the optional recall
     measurement, ``index_wait_s`` the time decode steps waited for the prefill pipeline.
+    ``calibrate_s``: what that pipeline spent calibrating the indexes (``effort="auto"``, on the
+    index worker, off the device's path: part of the time until the index is ready).
     ``worker_insert_s``, ``worker_select_s`` and ``worker_gather_s`` add up what the host jobs
     spent inserting flushed tokens, selecting and planning, and gathering pages (on the
     worker's threads, mostly off the critical path).
@@ -52,6 +54,7 @@ class RuntimeStats:
     attend_s: float = 0.0
     recall_s: float = 0.0
     index_wait_s: float = 0.0
+    calibrate_s: float = 0.0
     worker_insert_s: float = 0.0
     worker_select_s: float = 0.0
     worker_gather_s: float = 0.0
@@ -156,7 +159,8 @@ class IceLayer(CacheLayerMixin):
     that inserts them has been applied.
 
     Prefill is pipelined: the offload and index build of a layer's prompt run on the runtime's
-    index thread (the copy on a side stream, the build in the core without the GIL) while the
+    index thread (the copy on a side stream, the build in the core without the GIL, and with
+    ``effort="auto"`` the calibration of its efforts on the prompt's last queries) while the
     device computes the next layers; the first decode step waits for them.
 
     A layer that leads its reuse group (``leader is None``) owns the indexes and selects
@@ -278,22 +282,35 @@ class IceLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ prompt and window
 
-    def ingest_prompt(self, valid: Optional[torch.Tensor]) -> None:
+    def ingest_prompt(self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None) -> None:
         """Offload the prompt taken by :meth:`update` once its exact attention has run.
 
         Args:
             valid: ``[B, T]`` bool of real (non-padding) positions, or ``None`` for all.
+            queries: the prompt's queries ``[B, H_q, T, D]`` (post-RoPE), for ``effort="auto"``
+                to calibrate the index on (see :meth:`load_prompt`).
         """
         if self._prompt is None:
             raise RuntimeError(f"layer {self.layer_idx} has no prompt to offload")
         k, v = self._prompt
         self._prompt = None
-        self.load_prompt(k, v, valid)
+        self.load_prompt(k, v, valid, queries)
 
-    def load_prompt(self, k: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+    def load_prompt(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid: Optional[torch.Tensor],
+        queries: Optional[torch.Tensor] = None,
+    ) -> None:
         """Split each sequence's prompt keys/values ``[B, H_kv, T, D]`` into sink, middle
-        (offloaded and indexed) and window; ``valid`` as for :meth:`ingest_prompt`."""
+        (offloaded and indexed) and window; ``valid`` as for :meth:`ingest_prompt`. With
+        ``effort="auto"``, a leading layer also keeps each sequence's queries ``[B, H_q, T, D]``
+        of its last ``CALIBRATION_POSITIONS`` real positions, and the index worker calibrates
+        the sequence's index on them once it is built (layers that reuse a leader's selection
+        have no index of their own)."""
         cfg = self.runtime.config
+        calibrate = cfg.calibrates and self.leader is None and queries is not None
         if not self.is_initialized:
             self.lazy_initialization(k, v)
             self.length = k.shape[-2]
@@ -301,9 +318,11 @@ class IceLayer(CacheLayerMixin):
         middles = []
         for b in range(self.batch):
             kb, vb = k[b], v[b]
+            qb = queries[b] if calibrate and queries is not None else None
             if valid is not None and not bool(valid[b].all()):
                 idx = valid[b].nonzero()[:, 0].to(self.device)
                 kb, vb = kb[:, idx], vb[:, idx]
+                qb = None if qb is None else qb[:, idx.to(qb.device)]
             n = kb.shape[1]
             s = min(cfg.sink, n)
             w = min(cfg.window, n - s)
@@ -314,7 +333,9 @@ class IceLayer(CacheLayerMixin):
             self.dense_valid[b, :, ring] = True
             self.sink_len[b], self.win_start[b], self.win_len[b] = s, 0, w
             if n - s - w > 0:
-                middles.append((b, kb[:, s : n - w], vb[:, s : n - w]))
+                # A copy of its own, in the keys' dtype, so that one transfer takes it with them.
+                q_last = None if qb is None else qb[:, -CALIBRATION_POSITIONS:].to(self.device, kb.dtype).clone()
+                middles.append((b, kb[:, s : n - w], vb[:, s : n - w], q_last))
         if middles:
             ready = None
             if self.device.type == "cuda":
@@ -325,12 +346,17 @@ class IceLayer(CacheLayerMixin):
 
     def _index_prompt(self, middles: list, ready: Optional[torch.cuda.Event]) -> None:
         """Index worker: copy each sequence's middle tokens to the host and index them (and
-        make the decode steps' host buffers: pinning memory is slow on some hosts)."""
+        make the decode steps' host buffers: pinning memory is slow on some hosts); with
+        ``effort="auto"``, calibrate each index on the sequence's last prompt queries."""
         self._buffers()
-        for b, k, v in middles:
-            k_host, v_host = self.runtime.transit.to_host(ready, k, v)
+        for b, k, v, q in middles:
+            k_host, v_host, *q_host = self.runtime.transit.to_host(ready, k, v, *([] if q is None else [q]))
             if self.leader is None:
                 self.indexes[b].add(k_host, v_host, self.stores[b])
+                if q_host:
+                    t = time.perf_counter()
+                    self.indexes[b].calibrate(q_host[0])
+                    self.runtime.stats.calibrate_s += time.perf_counter() - t
             else:
                 self.histories[b].append(k_host, v_host)
                 self._lead.indexes[b].follow(self.histories[b], self.stores[b])
@@ -448,7 +474,7 @@ class IceLayer(CacheLayerMixin):
             page_size=cfg.page_size,
             max_pages=cfg.selected_pages,
             scale=scale,
-            effort=cfg.effort,
+            effort=None,  # each KV head's own: the configured effort, or as calibrated
             successors=cfg.successors if cfg.lookahead else 0,
             refresh=cfg.refresh,
             leader=leader_jobs,

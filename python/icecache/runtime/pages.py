@@ -12,7 +12,7 @@ the leader's index changes.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -125,6 +125,8 @@ class PageIndex:
         self.config = config
         self.forest: Optional[_core.HeadForest] = None
         self.resident = _core.ResidentPages(heads, config.device_pages)
+        #: One :class:`icecache.Calibration` per KV head once :meth:`calibrate` has run.
+        self.calibrations: Optional[List[_core.Calibration]] = None
 
     def add(self, k: torch.Tensor, v: torch.Tensor, store: PageStore) -> None:
         """Index a prompt's middle tokens ``[H_kv, m, D]`` (CPU, contiguous) and write them into
@@ -133,6 +135,22 @@ class PageIndex:
         self.forest = _core.HeadForest(k_np, **self.config.index_kwargs())
         store.reserve(headroom(self.forest.max_pages()))
         self.forest.write_pages(k_np, v_np, *store.views())
+
+    def calibrate(self, queries: torch.Tensor) -> List[_core.Calibration]:
+        """Calibrate each KV head's effort (``effort="auto"``) on the prompt's last queries
+        ``[H_q, n, D]`` (CPU, contiguous, the keys' dtype): recall@``config.calibration_k``,
+        with ``DCIIndex(effort="auto")``'s target and least effort. Kept in
+        :attr:`calibrations`."""
+        forest = self.forest
+        if forest is None:
+            raise RuntimeError("PageIndex.calibrate() needs an add() first: the index")
+        self.calibrations = forest.calibrate(
+            numpy_view(queries),
+            self.config.calibration_k(len(forest)),
+            _core.AUTO_TARGET,
+            min_effort=_core.AUTO_MIN_EFFORT,
+        )
+        return self.calibrations
 
     def follow(self, history: History, store: PageStore) -> None:
         """Write a reusing layer's prompt (``history``) into ``store`` in this index's layout."""

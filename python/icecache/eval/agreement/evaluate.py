@@ -6,7 +6,7 @@ import copy
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, List, Literal, NamedTuple, Optional, Sequence, Union
 
 from icecache._util import progress_bar
 from icecache.eval.agreement.methods import BUDGET_MODE, EMULATED, METHODS, Emulation, emulating
@@ -79,6 +79,34 @@ def _decode(model: Any, cache: Any, first: int, steps: int, forced: Optional[Seq
     return out
 
 
+def _calibration(cache: Any) -> dict:
+    """What ``effort="auto"`` found on a prefilled IceCache: the index worker's calibration
+    seconds, the calibrated layers, and every (layer, KV head)'s effort and whether it reached
+    the target."""
+    from icecache.runtime.layer import IceLayer
+
+    cals = [
+        c
+        for layer in cache.layers
+        if isinstance(layer, IceLayer) and layer.leader is None
+        for index in layer.indexes
+        for c in index.calibrations or []
+    ]
+    layers = sum(
+        1
+        for layer in cache.layers
+        if isinstance(layer, IceLayer) and layer.leader is None and any(i.calibrations for i in layer.indexes)
+    )
+    return dict(
+        seconds=cache.stats.calibrate_s,
+        layers=layers,
+        efforts=[c.effort for c in cals],
+        reached=sum(c.reached for c in cals),
+        heads=len(cals),
+        k=cals[0].k if cals else None,
+    )
+
+
 def evaluate_prompts(
     model: Any,
     prompts: Sequence[Prompt],
@@ -91,6 +119,7 @@ def evaluate_prompts(
     page_size: int = 16,
     full_layers: int = 2,
     threads: Optional[int] = None,
+    effort: Union[float, Literal["auto"]] = 1.0,
     progress: bool = True,
     on_prompt: Optional[Callable[[AgreementResult], None]] = None,
 ) -> AgreementResult:
@@ -100,9 +129,13 @@ def evaluate_prompts(
     cache then decodes ``new_tokens`` greedy tokens from the last prompt token; every method
     at every budget decodes the same steps fed the full cache's tokens, and its argmax at each
     step is compared with the full cache's. IceCache runs with
-    ``IceCacheConfig(budget, sink, window, page_size, full_layers, threads)`` (and
+    ``IceCacheConfig(budget, sink, window, page_size, full_layers, threads, effort)`` (and
     ``budget_mode="adaptive"`` for ``icecache_adaptive``) and its defaults otherwise; the
     emulated methods serve the same layers with the same sink and window.
+    With ``effort="auto"`` IceCache calibrates on the prompt's queries, which the shared prefill
+    does not keep: it runs its own prefill of the same tokens (exact attention either way), and
+    ``result.info["calibration"]`` records per (prompt, method, budget) the calibration's seconds and
+    efforts.
 
     Args:
         on_prompt: called with the results so far after each prompt (e.g. to save them).
@@ -130,6 +163,7 @@ def evaluate_prompts(
             full_layers=full_layers,
             threads=threads,
             budget_mode=mode,
+            effort=effort,
         )
         for m, mode in BUDGET_MODE.items()
         for b in budgets
@@ -159,7 +193,16 @@ def evaluate_prompts(
             bar.update(1)
             for method in methods:
                 for b in budgets:
-                    if method in BUDGET_MODE:
+                    if method in BUDGET_MODE and configs[(method, b)].calibrates:
+                        cache = IceCache(configs[(method, b)], model)
+                        with torch.inference_mode():
+                            model(torch.tensor([prompt.ids[:-1]]), cache=cache, logits_to_keep=1)
+                        cache.wait_indexed()
+                        run = f"{prompt.name} {method} B={b}"
+                        result.info.setdefault("calibration", {})[run] = _calibration(cache)
+                        got = _decode(model, cache, prompt.ids[-1], new_tokens, reference)
+                        del cache
+                    elif method in BUDGET_MODE:
                         cache = IceCache.from_prefilled(configs[(method, b)], model, prefix)
                         got = _decode(model, cache, prompt.ids[-1], new_tokens, reference)
                         del cache
@@ -203,8 +246,8 @@ def evaluate_agreement(
 
     Args:
         model: ``"smollm2"`` or ``"gemma3"`` (:func:`icecache.models.load_model`).
-        settings: ``sink``, ``window``, ``page_size``, ``full_layers``, ``threads`` (see
-            :func:`evaluate_prompts`).
+        settings: ``sink``, ``window``, ``page_size``, ``full_layers``, ``threads``, ``effort``
+            (see :func:`evaluate_prompts`).
     """
     from icecache import models, texts
 
