@@ -29,7 +29,8 @@ own shard. Per context length, one prompt of random tokens:
 Variants: ``full`` DynamicCache + SDPA, ``fullfi`` DynamicCache + FlashInfer single-sequence
 decode (needs FlashInfer; batch 1), ``ice`` IceCache (look-ahead), ``ice3`` IceCache with
 reuse 3, ``ice-r2`` IceCache selecting a new superset every second step, ``ice-fixed`` and
-``ice-adaptive`` IceCache with that ``budget_mode``, ``fresh`` IceCache
+``ice-adaptive`` IceCache with that ``budget_mode``, ``ice-auto`` IceCache with
+``effort="auto"`` (each layer's index calibrated on the prompt's last queries), ``fresh`` IceCache
 with fresh selection (every layer step waits for the host: the
 synchronous reference). Look-ahead never waits for the host within a step, so a "correction
 rate" (share of layer steps that select synchronously from the fresh query) is 0% for ``ice``
@@ -229,7 +230,8 @@ def main(argv=None) -> int:
         default=["full", "ice", "ice3"],
         help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode (batch 1); ice: IceCache; "
         "ice3: IceCache reuse=3; ice-r2: IceCache refresh=2; ice-tN: IceCache with N index threads; "
-        "fresh: IceCache with fresh selection; ice-fixed, ice-adaptive: IceCache with that budget_mode",
+        "fresh: IceCache with fresh selection; ice-fixed, ice-adaptive: IceCache with that budget_mode; "
+        "ice-auto: IceCache with effort='auto' (calibrated during prefill)",
     )
     ap.add_argument(
         "--cprofile",
@@ -356,6 +358,7 @@ def main(argv=None) -> int:
             "fresh": ("IceCache fresh", lambda: make_ice(1, lookahead=False)),
             "ice-fixed": ("IceCache budget_mode=fixed", lambda: make_ice(1, budget_mode="fixed")),
             "ice-adaptive": ("IceCache budget_mode=adaptive", lambda: make_ice(1, budget_mode="adaptive")),
+            "ice-auto": ("IceCache effort=auto", lambda: make_ice(1, effort="auto")),
         }
         for v in args.variants:  # ice-tN: IceCache whose index uses N threads
             if v.startswith("ice-t") and v[5:].isdigit():

@@ -202,7 +202,11 @@ def pool_checks(monkeypatch):
         (dict(sink=-1), r"sink must be a non-negative int"),
         (dict(budget=256.0), r"budget must be a non-negative int"),
         (dict(pool_pages=3), r"pool_pages \(3\) must be an int >= the pages selected per step \(52: superset"),
-        (dict(pool_pages=12, lookahead=False), r"pool_pages \(12\) must be .* \(13: the retrieved pages\)"),
+        (
+            dict(pool_pages=12, lookahead=False, budget_mode="fixed"),
+            r"pool_pages \(12\) must be .* \(13: the retrieved pages\)",
+        ),
+        (dict(pool_pages=40, lookahead=False), r"pool_pages \(40\) must be .* \(52: superset_pages\)"),
         (dict(superset_pages=12), r"superset_pages \(12\) must be an int >= the retrieved pages per step \(13\)"),
         (dict(lookahead=1), r"lookahead must be True or False"),
         (dict(effort=0), r"effort must be > 0"),
@@ -273,7 +277,9 @@ def test_config_effort_auto():
     assert cfg.index_kwargs()["effort"] == icecache._core.AUTO_MIN_EFFORT == 1.0
     assert icecache._core.AUTO_TARGET == 0.975
     assert cfg.calibration_k(10_000) == 52 * 16 // 2 and cfg.calibration_k(300) == 300
-    assert IceCacheConfig(effort="auto", lookahead=False).calibration_k(10_000) == 13 * 16 // 2
+    assert IceCacheConfig(effort="auto", lookahead=False).calibration_k(10_000) == 52 * 16 // 2
+    fixed = IceCacheConfig(effort="auto", lookahead=False, budget_mode="fixed")
+    assert fixed.calibration_k(10_000) == 13 * 16 // 2
     icecache.HeadForest(np.ones((1, 20, 8), np.float32), **cfg.index_kwargs())
 
 
@@ -281,11 +287,12 @@ def test_config_defaults_and_derived_sizes():
     cfg = IceCacheConfig()
     assert (cfg.budget, cfg.page_size, cfg.sink, cfg.window, cfg.full_layers, cfg.reuse) == (256, 16, 16, 32, 2, 1)
     assert cfg.lookahead and cfg.retrieved_pages == 13 and cfg.selected_pages == 52 and cfg.device_pages == 65
-    fresh = IceCacheConfig(lookahead=False)
+    assert cfg.budget_mode == "adaptive"
+    fresh = IceCacheConfig(lookahead=False, budget_mode="fixed")
     assert fresh.selected_pages == 13 and fresh.device_pages == 16
-    adaptive = IceCacheConfig(lookahead=False, budget_mode="adaptive")
+    adaptive = IceCacheConfig(lookahead=False)
     assert adaptive.selected_pages == 52 and adaptive.device_pages == 52
-    assert IceCacheConfig(budget_mode="adaptive").device_pages == 65
+    assert IceCacheConfig(budget_mode="fixed").device_pages == 65
     assert IceCacheConfig(superset_pages=20).device_pages == 33
     small = IceCacheConfig(budget=64)
     assert small.retrieved_pages == 1 and small.selected_pages == 32 and small.device_pages == 33

@@ -136,12 +136,14 @@ class IceCacheConfig:
         full_layers: leading full-attention layers that keep the whole cache (their attention
             is broad).
         budget_mode: how each layer's pages are shared among its KV heads at a step.
-            ``"fixed"``: every KV head attends ``retrieved_pages``. ``"adaptive"``: the
-            sequence's KV heads together attend ``H_kv * retrieved_pages`` pages, those with
-            the largest share of their head's mass over its candidate pages (exact group
-            attention mass on the device; :func:`icecache.attend.ranked_decode_attention`), so
-            heads whose attention is spread get more pages and peaked heads fewer. The tokens
-            attended per layer and the device memory stay the same. The candidates
+            ``"adaptive"`` (default): the sequence's KV heads together attend
+            ``H_kv * retrieved_pages`` pages, those with the largest share of their head's mass
+            over its candidate pages (exact group attention mass on the device;
+            :func:`icecache.attend.ranked_decode_attention`), so heads whose attention is spread
+            get more pages and peaked heads fewer (measured on prose and code the defaults were
+            not chosen on: higher recall at every budget, see benches/RESULTS.md). ``"fixed"``:
+            every KV head attends ``retrieved_pages``. The tokens attended per layer and the
+            device memory are the same in both modes. The candidates
             are the device pool (look-ahead) or, with fresh selection, a superset of
             ``selected_pages`` per head selected for the step.
         reuse: layer-reuse group size: groups of ``reuse`` consecutive IceCache layers share
@@ -183,7 +185,10 @@ class IceCacheConfig:
             ``AUTO_MIN_EFFORT``); selection then searches each head at its own effort. An index
             built without prompt queries (a prompt within sink + window, whose index starts
             at decode) keeps effort ``AUTO_MIN_EFFORT``; :meth:`IceCache.from_prefilled` has no
-            prompt queries and refuses ``"auto"``.
+            prompt queries and refuses ``"auto"``. Cost (benches/RESULTS.md): 0.4-0.6 s per
+            SmolLM2 layer at 4k tokens on one CPU core; at the Llama-8B shape and 32k tokens on
+            an H200 host, 26 s more before the first decode step, and slower steps at the higher
+            efforts chosen.
         num_simple, num_composite, promotion, seed, threads: index parameters, passed
             to :class:`icecache.HeadForest` (``None``: the index's defaults). ``threads=None``
             is all cores in a single process; under ``torch.distributed`` with several ranks
@@ -197,7 +202,7 @@ class IceCacheConfig:
     window: int = 32
     full_layers: int = 2
     reuse: int = 1
-    budget_mode: str = "fixed"
+    budget_mode: str = "adaptive"
     lookahead: bool = True
     superset_pages: Optional[int] = None
     successors: int = 32
@@ -241,9 +246,10 @@ class IceCacheConfig:
             )
         least = self.selected_pages
         if self.pool_pages is not None and self.pool_pages < least:
+            what = "the retrieved pages" if least == self.retrieved_pages else "superset_pages"
             raise ValueError(
                 f"IceCacheConfig.pool_pages ({self.pool_pages!r}) must be an int >= the pages selected "
-                f"per step ({least}: {'superset_pages' if self.lookahead else 'the retrieved pages'})"
+                f"per step ({least}: {what})"
             )
 
     @property
