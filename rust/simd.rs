@@ -269,29 +269,35 @@ pub fn columns(rows: &[f32], dim: usize) -> (Vec<f32>, usize) {
     (bt, stride)
 }
 
-/// `out += Σ coef[i] · rows[i]` over `coef.len()` consecutive rows of `out.len()` floats.
+/// One power-iteration step over `n` consecutive rows: `out += Σ (q · rows[i]) rows[i]`, each
+/// block of four rows read once for both products (`dot_rows`, then a pass adding the scaled
+/// rows, reads them twice). The same products as `dot_rows`, added in row order.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
-pub fn add_scaled_rows(coef: &[f32], rows: &[f32], out: &mut [f32]) {
-    let dim = out.len();
-    let n = coef.len().min(rows.len() / dim);
-    let (coef, rows) = (&coef[..n], &rows[..n * dim]);
-    // Four rows per pass over `out`: one load and store of it for four FMAs, in the same order
-    // (and so to the same bits) as one row at a time.
-    let mut quads = coef.chunks_exact(4).zip(rows.chunks_exact(4 * dim));
-    for (a, r) in &mut quads {
+pub fn dot_add_rows(q: &[f32], rows: &[f32], out: &mut [f32]) {
+    let dim = q.len();
+    debug_assert_eq!(out.len(), dim);
+    let mut quads = rows.chunks_exact(4 * dim);
+    for r in &mut quads {
         let (r0, r1, r2, r3) = (&r[..dim], &r[dim..2 * dim], &r[2 * dim..3 * dim], &r[3 * dim..]);
-        for j in 0..dim {
-            let o = a[0].mul_add(r0[j], out[j]);
-            let o = a[1].mul_add(r1[j], o);
-            let o = a[2].mul_add(r2[j], o);
-            out[j] = a[3].mul_add(r3[j], o);
+        let a = dot4(q, [r0, r1, r2, r3]);
+        for ((((o, x0), x1), x2), x3) in out.iter_mut().zip(r0).zip(r1).zip(r2).zip(r3) {
+            *o = a[3].mul_add(*x3, a[2].mul_add(*x2, a[1].mul_add(*x1, a[0].mul_add(*x0, *o))));
         }
     }
-    let done = n - n % 4;
-    for (&a, r) in coef[done..].iter().zip(rows[done * dim..].chunks_exact(dim)) {
+    for r in quads.remainder().chunks_exact(dim) {
+        let a = dot(q, r);
         for (o, x) in out.iter_mut().zip(r) {
             *o = a.mul_add(*x, *o);
         }
+    }
+}
+
+/// `sum += x` lane by lane, `x` widened to f64 (exact; one add per lane, so the same bits at
+/// any vector width as a scalar loop).
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn add_widened(sum: &mut [f64], x: &[f32]) {
+    for (s, &v) in sum.iter_mut().zip(x) {
+        *s += v as f64;
     }
 }
 
@@ -553,18 +559,21 @@ mod tests {
                     assert!(j == 4 || cross[i * 5 + j] == quad[j]);
                 }
             }
-            let mut acc = b.clone();
-            add_scaled_rows(&[2.0, -1.0], &rows, &mut acc);
-            assert!(acc.iter().zip(a.iter().zip(&b)).all(|(g, (x, y))| (g - (3.0 * y - x)).abs() < 1e-5));
-            // Blocks of four rows and a remainder sum in row order, as one row at a time does.
-            let coef: Vec<f32> = (0..6).map(|i| 0.3 * i as f32 - 0.7).collect();
+            // A power step: `dot_rows`' products, each row added in row order (blocks of four
+            // rows and a remainder), bit for bit.
+            let mut dots = [0f32; 6];
+            dot_rows(&a, &many[..6 * dim], &mut dots);
             let mut seq = b.clone();
-            for (&c, r) in coef.iter().zip(many.chunks_exact(dim)) {
+            for (&c, r) in dots.iter().zip(many.chunks_exact(dim)) {
                 seq.iter_mut().zip(r).for_each(|(o, x)| *o = c.mul_add(*x, *o));
             }
             let mut acc = b.clone();
-            add_scaled_rows(&coef, &many[..6 * dim], &mut acc);
+            dot_add_rows(&a, &many[..6 * dim], &mut acc);
             assert_eq!(acc, seq);
+            let mut wide: Vec<f64> = b.iter().map(|&x| x as f64 * 0.5).collect();
+            let want: Vec<f64> = wide.iter().zip(&a).map(|(s, &x)| s + x as f64).collect();
+            add_widened(&mut wide, &a);
+            assert_eq!(wide, want);
             let mut qa = vec![0i8; dim];
             let mut qb = vec![0i8; dim];
             let sa = quantize_i8(&a, &mut qa);

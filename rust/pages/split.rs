@@ -115,11 +115,9 @@ fn principal_axis(rows: &[f32], centred: &mut [f32], dim: usize, s: &mut SplitSc
     s.axis.clear();
     s.axis.extend_from_slice(&centred[far * dim..(far + 1) * dim]);
     s.next.resize(dim, 0.0);
-    s.dots.resize(n, 0.0);
     for _ in 0..4 {
-        simd::dot_rows(&s.axis, centred, &mut s.dots);
         s.next.fill(0.0);
-        simd::add_scaled_rows(&s.dots, centred, &mut s.next);
+        simd::dot_add_rows(&s.axis, centred, &mut s.next);
         let norm = simd::dot(&s.next, &s.next).sqrt();
         if norm <= f32::MIN_POSITIVE {
             break;
