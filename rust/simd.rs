@@ -223,36 +223,54 @@ pub fn dot_cross_cols(dim: usize, a: &[f32], ia: &[u32], bt: &[f32], stride: usi
         let rows =
             [arow(ix[0]), arow(ix[1]), arow(ix[2]), arow(ix[3]), arow(ix[4]), arow(ix[5]), arow(ix[6]), arow(ix[7])];
         for j0 in (0..nb).step_by(16) {
-            let mut acc = [[0f32; 16]; 8];
-            for k in 0..dim {
-                let col: &[f32; 16] = bt[k * stride + j0..k * stride + j0 + 16].try_into().unwrap();
-                for (acc, row) in acc.iter_mut().zip(&rows) {
-                    let x = row[k];
-                    for l in 0..16 {
-                        acc[l] = x.mul_add(col[l], acc[l]);
-                    }
-                }
-            }
             let w = (nb - j0).min(16);
-            for (p, acc) in acc.iter().enumerate() {
-                o[p * nb + j0..p * nb + j0 + w].copy_from_slice(&acc[..w]);
+            // A last block of at most 8 columns takes half-width vectors: the same lanes, half
+            // the work.
+            if w <= 8 {
+                for (p, acc) in cols_tile::<8, 8>(&rows, bt, stride, j0).iter().enumerate() {
+                    o[p * nb + j0..p * nb + j0 + w].copy_from_slice(&acc[..w]);
+                }
+            } else {
+                for (p, acc) in cols_tile::<8, 16>(&rows, bt, stride, j0).iter().enumerate() {
+                    o[p * nb + j0..p * nb + j0 + w].copy_from_slice(&acc[..w]);
+                }
             }
         }
     }
     for (&i, o) in groups.remainder().iter().zip(outs.into_remainder().chunks_exact_mut(nb)) {
-        let row = arow(i);
+        let row = [arow(i)];
         for j0 in (0..nb).step_by(16) {
-            let mut acc = [0f32; 16];
-            for (k, &x) in row.iter().enumerate() {
-                let col = &bt[k * stride + j0..k * stride + j0 + 16];
-                for l in 0..16 {
-                    acc[l] = x.mul_add(col[l], acc[l]);
-                }
-            }
             let w = (nb - j0).min(16);
-            o[j0..j0 + w].copy_from_slice(&acc[..w]);
+            if w <= 8 {
+                o[j0..j0 + w].copy_from_slice(&cols_tile::<1, 8>(&row, bt, stride, j0)[0][..w]);
+            } else {
+                o[j0..j0 + w].copy_from_slice(&cols_tile::<1, 16>(&row, bt, stride, j0)[0][..w]);
+            }
         }
     }
+}
+
+/// `dot_cross_cols`' tile: the products of `R` rows with columns `j0..j0 + L` of `bt`, each
+/// summed in index order in its own lane (so the same bits at any `L`).
+#[inline(always)]
+fn cols_tile<const R: usize, const L: usize>(
+    rows: &[&[f32]; R],
+    bt: &[f32],
+    stride: usize,
+    j0: usize,
+) -> [[f32; L]; R] {
+    let dim = rows[0].len();
+    let mut acc = [[0f32; L]; R];
+    for k in 0..dim {
+        let col: &[f32; L] = bt[k * stride + j0..k * stride + j0 + L].try_into().unwrap();
+        for (acc, row) in acc.iter_mut().zip(rows) {
+            let x = row[k];
+            for l in 0..L {
+                acc[l] = x.mul_add(col[l], acc[l]);
+            }
+        }
+    }
+    acc
 }
 
 /// `rows` (`[n, dim]`) by column, for `dot_cross_cols`: `[dim, stride]`, `stride` = `n` rounded
