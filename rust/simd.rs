@@ -517,6 +517,9 @@ mod tests {
                             (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
                             "nb {nb} rows {rows}: {got} vs {want}"
                         );
+                        // One lane, in index order, whatever the width of its block.
+                        let lane = ar.iter().zip(&b[j * dim..(j + 1) * dim]).fold(0f32, |s, (x, y)| x.mul_add(*y, s));
+                        assert_eq!(got, lane, "nb {nb} rows {rows} column {j}");
                     }
                 }
             }
