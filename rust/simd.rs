@@ -223,36 +223,54 @@ pub fn dot_cross_cols(dim: usize, a: &[f32], ia: &[u32], bt: &[f32], stride: usi
         let rows =
             [arow(ix[0]), arow(ix[1]), arow(ix[2]), arow(ix[3]), arow(ix[4]), arow(ix[5]), arow(ix[6]), arow(ix[7])];
         for j0 in (0..nb).step_by(16) {
-            let mut acc = [[0f32; 16]; 8];
-            for k in 0..dim {
-                let col: &[f32; 16] = bt[k * stride + j0..k * stride + j0 + 16].try_into().unwrap();
-                for (acc, row) in acc.iter_mut().zip(&rows) {
-                    let x = row[k];
-                    for l in 0..16 {
-                        acc[l] = x.mul_add(col[l], acc[l]);
-                    }
-                }
-            }
             let w = (nb - j0).min(16);
-            for (p, acc) in acc.iter().enumerate() {
-                o[p * nb + j0..p * nb + j0 + w].copy_from_slice(&acc[..w]);
+            // A last block of at most 8 columns takes half-width vectors: the same lanes, half
+            // the work.
+            if w <= 8 {
+                for (p, acc) in cols_tile::<8, 8>(&rows, bt, stride, j0).iter().enumerate() {
+                    o[p * nb + j0..p * nb + j0 + w].copy_from_slice(&acc[..w]);
+                }
+            } else {
+                for (p, acc) in cols_tile::<8, 16>(&rows, bt, stride, j0).iter().enumerate() {
+                    o[p * nb + j0..p * nb + j0 + w].copy_from_slice(&acc[..w]);
+                }
             }
         }
     }
     for (&i, o) in groups.remainder().iter().zip(outs.into_remainder().chunks_exact_mut(nb)) {
-        let row = arow(i);
+        let row = [arow(i)];
         for j0 in (0..nb).step_by(16) {
-            let mut acc = [0f32; 16];
-            for (k, &x) in row.iter().enumerate() {
-                let col = &bt[k * stride + j0..k * stride + j0 + 16];
-                for l in 0..16 {
-                    acc[l] = x.mul_add(col[l], acc[l]);
-                }
-            }
             let w = (nb - j0).min(16);
-            o[j0..j0 + w].copy_from_slice(&acc[..w]);
+            if w <= 8 {
+                o[j0..j0 + w].copy_from_slice(&cols_tile::<1, 8>(&row, bt, stride, j0)[0][..w]);
+            } else {
+                o[j0..j0 + w].copy_from_slice(&cols_tile::<1, 16>(&row, bt, stride, j0)[0][..w]);
+            }
         }
     }
+}
+
+/// `dot_cross_cols`' tile: the products of `R` rows with columns `j0..j0 + L` of `bt`, each
+/// summed in index order in its own lane (so the same bits at any `L`).
+#[inline(always)]
+fn cols_tile<const R: usize, const L: usize>(
+    rows: &[&[f32]; R],
+    bt: &[f32],
+    stride: usize,
+    j0: usize,
+) -> [[f32; L]; R] {
+    let dim = rows[0].len();
+    let mut acc = [[0f32; L]; R];
+    for k in 0..dim {
+        let col: &[f32; L] = bt[k * stride + j0..k * stride + j0 + L].try_into().unwrap();
+        for (acc, row) in acc.iter_mut().zip(rows) {
+            let x = row[k];
+            for l in 0..L {
+                acc[l] = x.mul_add(col[l], acc[l]);
+            }
+        }
+    }
+    acc
 }
 
 /// `rows` (`[n, dim]`) by column, for `dot_cross_cols`: `[dim, stride]`, `stride` = `n` rounded
@@ -269,29 +287,35 @@ pub fn columns(rows: &[f32], dim: usize) -> (Vec<f32>, usize) {
     (bt, stride)
 }
 
-/// `out += Σ coef[i] · rows[i]` over `coef.len()` consecutive rows of `out.len()` floats.
+/// One power-iteration step over `n` consecutive rows: `out += Σ (q · rows[i]) rows[i]`, each
+/// block of four rows read once for both products (`dot_rows`, then a pass adding the scaled
+/// rows, reads them twice). The same products as `dot_rows`, added in row order.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
-pub fn add_scaled_rows(coef: &[f32], rows: &[f32], out: &mut [f32]) {
-    let dim = out.len();
-    let n = coef.len().min(rows.len() / dim);
-    let (coef, rows) = (&coef[..n], &rows[..n * dim]);
-    // Four rows per pass over `out`: one load and store of it for four FMAs, in the same order
-    // (and so to the same bits) as one row at a time.
-    let mut quads = coef.chunks_exact(4).zip(rows.chunks_exact(4 * dim));
-    for (a, r) in &mut quads {
+pub fn dot_add_rows(q: &[f32], rows: &[f32], out: &mut [f32]) {
+    let dim = q.len();
+    debug_assert_eq!(out.len(), dim);
+    let mut quads = rows.chunks_exact(4 * dim);
+    for r in &mut quads {
         let (r0, r1, r2, r3) = (&r[..dim], &r[dim..2 * dim], &r[2 * dim..3 * dim], &r[3 * dim..]);
-        for j in 0..dim {
-            let o = a[0].mul_add(r0[j], out[j]);
-            let o = a[1].mul_add(r1[j], o);
-            let o = a[2].mul_add(r2[j], o);
-            out[j] = a[3].mul_add(r3[j], o);
+        let a = dot4(q, [r0, r1, r2, r3]);
+        for ((((o, x0), x1), x2), x3) in out.iter_mut().zip(r0).zip(r1).zip(r2).zip(r3) {
+            *o = a[3].mul_add(*x3, a[2].mul_add(*x2, a[1].mul_add(*x1, a[0].mul_add(*x0, *o))));
         }
     }
-    let done = n - n % 4;
-    for (&a, r) in coef[done..].iter().zip(rows[done * dim..].chunks_exact(dim)) {
+    for r in quads.remainder().chunks_exact(dim) {
+        let a = dot(q, r);
         for (o, x) in out.iter_mut().zip(r) {
             *o = a.mul_add(*x, *o);
         }
+    }
+}
+
+/// `sum += x` lane by lane, `x` widened to f64 (exact; one add per lane, so the same bits at
+/// any vector width as a scalar loop).
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn add_widened(sum: &mut [f64], x: &[f32]) {
+    for (s, &v) in sum.iter_mut().zip(x) {
+        *s += v as f64;
     }
 }
 
@@ -493,6 +517,9 @@ mod tests {
                             (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
                             "nb {nb} rows {rows}: {got} vs {want}"
                         );
+                        // One lane, in index order, whatever the width of its block.
+                        let lane = ar.iter().zip(&b[j * dim..(j + 1) * dim]).fold(0f32, |s, (x, y)| x.mul_add(*y, s));
+                        assert_eq!(got, lane, "nb {nb} rows {rows} column {j}");
                     }
                 }
             }
@@ -553,18 +580,21 @@ mod tests {
                     assert!(j == 4 || cross[i * 5 + j] == quad[j]);
                 }
             }
-            let mut acc = b.clone();
-            add_scaled_rows(&[2.0, -1.0], &rows, &mut acc);
-            assert!(acc.iter().zip(a.iter().zip(&b)).all(|(g, (x, y))| (g - (3.0 * y - x)).abs() < 1e-5));
-            // Blocks of four rows and a remainder sum in row order, as one row at a time does.
-            let coef: Vec<f32> = (0..6).map(|i| 0.3 * i as f32 - 0.7).collect();
+            // A power step: `dot_rows`' products, each row added in row order (blocks of four
+            // rows and a remainder), bit for bit.
+            let mut dots = [0f32; 6];
+            dot_rows(&a, &many[..6 * dim], &mut dots);
             let mut seq = b.clone();
-            for (&c, r) in coef.iter().zip(many.chunks_exact(dim)) {
+            for (&c, r) in dots.iter().zip(many.chunks_exact(dim)) {
                 seq.iter_mut().zip(r).for_each(|(o, x)| *o = c.mul_add(*x, *o));
             }
             let mut acc = b.clone();
-            add_scaled_rows(&coef, &many[..6 * dim], &mut acc);
+            dot_add_rows(&a, &many[..6 * dim], &mut acc);
             assert_eq!(acc, seq);
+            let mut wide: Vec<f64> = b.iter().map(|&x| x as f64 * 0.5).collect();
+            let want: Vec<f64> = wide.iter().zip(&a).map(|(s, &x)| s + x as f64).collect();
+            add_widened(&mut wide, &a);
+            assert_eq!(wide, want);
             let mut qa = vec![0i8; dim];
             let mut qb = vec![0i8; dim];
             let sa = quantize_i8(&a, &mut qa);

@@ -77,7 +77,8 @@ class DCIIndex:
         promotion: promotion ratio of each level: ``promotion[0]`` is P(level >= 1),
             ``promotion[i]`` is P(level >= i + 1 | level >= i). A float means one level.
         seed: seed for the random directions and level draws (``None``: from the OS).
-        threads: worker threads for bulk build and batch queries (``None``: all cores).
+        threads: worker threads for bulk build and batch queries (``None``: all cores). Objects
+            that ask for the same count share one pool of that many threads, made on first use.
         effort: default query effort (see ``query``), or ``"auto"``: the first ``query`` that runs
             at the default effort (no ``effort``, not ``exact``) first calibrates it on (at most
             256, evenly spaced, of) that call's queries, at that call's ``k`` (``calibrate``),

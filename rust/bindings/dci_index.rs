@@ -1,7 +1,7 @@
 //! `DCIIndex`: the M-DCI index on its own, as an approximate nearest-neighbour index.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use numpy::IntoPyArray;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -22,17 +22,31 @@ pub struct PyDciIndex {
     metric: Metric,
 }
 
-/// A pool of `threads` workers for one object's parallel work (`None`: rayon's global pool).
+/// The pool of `threads` workers for an object's parallel work (`None`: rayon's global pool).
+/// One pool per thread count, made on first use and shared by every object that asks for that
+/// count: a build then runs on warm threads (and their warm allocator arenas) instead of
+/// spawning fresh ones per object, and objects working at once share the cores they asked for
+/// instead of each spawning its own workers.
 pub(super) fn make_pool(threads: Option<usize>) -> PyResult<Option<Arc<rayon::ThreadPool>>> {
-    match threads {
-        None => Ok(None),
-        Some(0) => Err(PyValueError::new_err("threads must be at least 1 (or None for all cores)")),
-        Some(n) => rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build()
-            .map(|p| Some(Arc::new(p)))
-            .map_err(|e| PyRuntimeError::new_err(e.to_string())),
+    static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
+    let n = match threads {
+        None => return Ok(None),
+        Some(0) => return Err(PyValueError::new_err("threads must be at least 1 (or None for all cores)")),
+        Some(n) => n,
+    };
+    // A panic elsewhere cannot leave the list half-changed (a push is the only change).
+    let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, p)) = pools.iter().find(|(m, _)| *m == n) {
+        return Ok(Some(Arc::clone(p)));
     }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(move |i| format!("icecache-{n}-{i}"))
+        .build()
+        .map(Arc::new)
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    pools.push((n, Arc::clone(&pool)));
+    Ok(Some(pool))
 }
 
 /// The index parameters both Python types take, applied to `cfg` and validated by the core.

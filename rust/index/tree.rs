@@ -30,6 +30,9 @@ const DENSE_CELLS: usize = 256;
 /// Points per task of the build's grouped scoring: enough to share tiles (each chosen cell
 /// gets dozens), few enough that their keys stay in cache between descent and scoring.
 const BUILD_CHUNK: usize = 512;
+/// Fewest cells per task of the build's key sums (`push_members`): each task reads every
+/// point's cell, and the keys of its own cells.
+const SUM_CELLS: usize = 8;
 
 /// What a point's nearness to any route needs.
 #[derive(Clone, Copy)]
@@ -520,7 +523,7 @@ impl DciIndex {
                 for ((s, p), k) in sq.iter_mut().zip(p.chunks_exact_mut(nd)).zip(rows.chunks_exact(d)) {
                     *s = simd::dot(k, k);
                     simd::dot_rows(k, &dirs, p);
-                    sum.iter_mut().zip(k).for_each(|(a, &x)| *a += x as f64);
+                    simd::add_widened(&mut sum, k);
                 }
                 sum
             })
@@ -601,8 +604,10 @@ impl DciIndex {
     }
 
     /// `cell_push(t, cells[i], points[i], false)` for each `i` in order (routes not updated), in
-    /// bulk: the points grouped by cell with a counting sort, then each cell's members and sums
-    /// extended at once (in parallel over cells; the same sums, added in the same order).
+    /// bulk: the points grouped by cell with a counting sort, then each cell's members extended
+    /// at once. The key sums read the keys in point order (a cell's members read cell by cell
+    /// are scattered over the keys, and each read waited on memory), a range of cells per task:
+    /// every cell's sum adds its points in the same order as before, so to the same bits.
     fn push_members(&mut self, t: usize, points: &[u32], cells: &[u32]) {
         let num_cells = self.tiers[t].cells.len();
         let mut start = vec![0usize; num_cells + 1];
@@ -620,15 +625,17 @@ impl DciIndex {
         }
         let mut tier_cells = std::mem::take(&mut self.tiers[t].cells);
         let this = &*self;
-        tier_cells.par_iter_mut().enumerate().for_each(|(c, cell)| {
-            let group = &grouped[start[c]..start[c + 1]];
-            if group.is_empty() {
-                return;
+        let per_task = num_cells.div_ceil(rayon::current_num_threads()).max(SUM_CELLS);
+        tier_cells.par_chunks_mut(per_task).enumerate().for_each(|(i, part)| {
+            let lo = i * per_task;
+            for (&x, &c) in points.iter().zip(cells) {
+                if let Some(cell) = (c as usize).checked_sub(lo).and_then(|c| part.get_mut(c)) {
+                    simd::add_widened(&mut cell.sum, this.key(x));
+                    cell.sum_extra += this.extra(x) as f64;
+                }
             }
-            cell.members.extend_from_slice(group);
-            for &x in group {
-                cell.sum.iter_mut().zip(this.key(x)).for_each(|(s, &v)| *s += v as f64);
-                cell.sum_extra += this.extra(x) as f64;
+            for (c, cell) in (lo..).zip(part.iter_mut()) {
+                cell.members.extend_from_slice(&grouped[start[c]..start[c + 1]]);
             }
         });
         let tier = &mut self.tiers[t];
