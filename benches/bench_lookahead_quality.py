@@ -168,10 +168,11 @@ def main(argv=None) -> int:
     from icecache import models, texts
 
     model, tok = models.load_model("smollm2")
-    docs = [(f"prose{i}", ids) for i, ids in enumerate(texts.documents(tok, args.prose, args.tokens, seed=1))]
+    prose = texts.documents(tok, args.prose, args.tokens, seed=1)
+    docs = [(f"prose{i}of{args.prose}", ids) for i, ids in enumerate(prose)]
     if args.code:
         code = texts.documents(tok, args.code, args.tokens, seed=1, kind="code")
-        docs += [(f"code{i}", ids) for i, ids in enumerate(code)]
+        docs += [(f"code{i}of{args.code}", ids) for i, ids in enumerate(code)]
     scores: dict = {}  # document -> layer -> selection -> [(recall, middle-only)]
     for name, ids in docs:
         print(f"{name}: capture and replay ...", file=sys.stderr, flush=True)
