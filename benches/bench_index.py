@@ -96,6 +96,24 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def run_header(title: str, argv) -> tuple[str, dict]:
+    """A results section's heading with the machine, versions, command and date, and the same
+    run facts (command, machine, versions) for its JSON."""
+    m, v = machine_info(), versions()
+    command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
+    header = "\n".join(
+        [
+            f"## {title}",
+            "",
+            f"- machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['platform']}",
+            f"- versions: python {v['python']}, numpy {v['numpy']}, icecache {v['icecache']}",
+            f"- command: `{command}`",
+            f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        ]
+    )
+    return header, dict(command=command, machine=m, versions=v)
+
+
 def save_results(out: Path, name: str, md: str, payload: dict) -> None:
     """Print ``md`` and save it with ``payload`` as JSON, as ``name-<timestamp>.{md,json}`` in ``out``."""
     print(md)
@@ -905,21 +923,10 @@ def calibrate_main(args, argv) -> None:
                     f"(effort 1: {r['recall_effort1']:.3f}), {r['us_auto']:.0f} µs vs exact {r['us_exact']:.0f} µs "
                     f"(NumPy {r['us_numpy']:.0f} µs)"
                 )
-    m, v = machine_info(), versions()
-    command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
-    md = "\n".join(
-        [
-            f'## DCIIndex effort="auto" on every (layer, KV head) of SmolLM2 layers {lo}-{hi} (single thread)',
-            "",
-            f"- machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['platform']}",
-            f"- versions: python {v['python']}, numpy {v['numpy']}, icecache {v['icecache']}",
-            f"- command: `{command}`",
-            f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
-            "",
-            calibrate_markdown(rows, args.k),
-        ]
-    )
-    save_results(args.out, "bench_index-calibrate", md, dict(command=command, machine=m, versions=v, rows=rows))
+    title = f'DCIIndex effort="auto" on every (layer, KV head) of SmolLM2 layers {lo}-{hi} (single thread)'
+    header, run = run_header(title, argv)
+    md = "\n".join([header, "", calibrate_markdown(rows, args.k)])
+    save_results(args.out, "bench_index-calibrate", md, dict(**run, rows=rows))
 
 
 def calibrate_markdown(rows: list, k: int) -> str:
@@ -998,23 +1005,9 @@ def growth_main(args, argv) -> None:
     files = [n for n in names if n not in GENERATED]
     loaded = {n: load_dataset(n, args.queries, args.head) for n in files}  # fail early if a file is missing
     results = [bench_growth(loaded[n] if n in loaded else load[n](), args) for n in names]
-    m, v = machine_info(), versions()
-    command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
-    md = "\n".join(
-        [
-            "## DCIIndex grown by add vs a bulk build (single thread)",
-            "",
-            f"- machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), {m['platform']}",
-            f"- versions: python {v['python']}, numpy {v['numpy']}, icecache {v['icecache']}",
-            f"- command: `{command}`",
-            f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
-            "",
-            growth_markdown(results),
-        ]
-    )
-    save_results(
-        args.out, f"bench_index-growth-{args.data}", md, dict(command=command, machine=m, versions=v, results=results)
-    )
+    header, run = run_header("DCIIndex grown by add vs a bulk build (single thread)", argv)
+    md = "\n".join([header, "", growth_markdown(results)])
+    save_results(args.out, f"bench_index-growth-{args.data}", md, dict(**run, results=results))
 
 
 if __name__ == "__main__":
