@@ -120,13 +120,10 @@ def ranked_decode_attention(
             mass = mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
         if keep is not None:  # only the given candidates compete (masses are >= 0)
             mass = mass.masked_fill(~keep, -1.0)
-        if adaptive:
-            top = mass.view(B, H * C).topk(H * pages, dim=-1).indices
-            chosen = torch.zeros(B, H * C, dtype=torch.bool, device=pool_kv.device).scatter_(-1, top, True)
-            chosen = chosen.view(B, H, C)
-        else:
-            top = mass.topk(pages, dim=-1).indices
-            chosen = torch.zeros(B, H, C, dtype=torch.bool, device=pool_kv.device).scatter_(-1, top, True)
+        # Fixed: each head's top ``pages``; adaptive: the sequence's top ``H * pages`` of all heads.
+        ranked, n = (mass.view(B, H * C), H * pages) if adaptive else (mass, pages)
+        chosen = torch.zeros_like(ranked, dtype=torch.bool).scatter_(-1, ranked.topk(n, dim=-1).indices, True)
+        chosen = chosen.view(B, H, C)
         keep = chosen if keep is None else chosen & keep
     mask = torch.cat([(pool_valid & keep[..., None]).view(B, H, P), dense_valid], dim=2)[:, :, None, :]
     if kv.is_cuda:  # cuDNN's backend would plan anew for the mask; the others need no plan
