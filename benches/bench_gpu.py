@@ -7,9 +7,15 @@ CPU check), config written here, random bf16 weights made on the GPU; no downloa
 torchrun with N processes (tensor parallelism, one GPU each; see below) each rank makes its
 own shard. Per context length, one prompt of random tokens:
 
-- time to second token (TTST): prefill + one decode step, from an empty cache, for each
-  variant; IceCache's prefill pipeline indexes on a worker thread and the first decode step
-  waits for it ("index wait");
+- time to second token (TTST): prefill + one decode step, from an empty cache, for each variant
+  (``--ttst-repeats`` rounds, order rotated, median; on a GPU after one untimed full-cache
+  prefill of the same prompt, so that no variant pays for warming up). IceCache's prefill
+  pipeline indexes on a worker thread: by default the decode steps attend the whole cache
+  meanwhile (``exact_until_indexed``, "bridged"), and the run decodes on, step by step, until
+  the step that leaves the bridge ("switch": the tokens decoded meanwhile join the indexes and
+  windows, "catch-up", and the layers' first host jobs run; "ready": when it started, every
+  index was ready by then); with ``ice-wait`` the first decode step waits for the indexes
+  ("index wait");
 - time per output token (TPOT): each variant keeps decoding from its own cache; after a
   warm-up, ``--repeats`` rounds of ``--steps`` one-token steps, variants interleaved (order
   rotated per round), every step timed to a device sync; median over all steps;
@@ -28,7 +34,8 @@ own shard. Per context length, one prompt of random tokens:
 
 Variants: ``full`` DynamicCache + SDPA, ``fullfi`` DynamicCache + FlashInfer single-sequence
 decode (needs FlashInfer; batch 1), ``ice`` IceCache (look-ahead), ``ice3`` IceCache with
-reuse 3, ``ice-r2`` IceCache selecting a new superset every second step, ``ice-fixed`` and
+reuse 3, ``ice-wait`` IceCache whose first decode step waits for the index
+(``exact_until_indexed=False``), ``ice-r2`` IceCache selecting a new superset every second step, ``ice-fixed`` and
 ``ice-adaptive`` IceCache with that ``budget_mode``, ``ice-auto`` IceCache with
 ``effort="auto"`` (each layer's index calibrated on the prompt's last queries), ``fresh`` IceCache
 with fresh selection (every layer step waits for the host: the
@@ -84,6 +91,8 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from typing import List
 
 
 def llama8b_config(layers: int):
@@ -173,6 +182,21 @@ def build_model(cfg, device, world: int):
 _FULL_FLASHINFER = [False]
 
 
+@dataclass
+class Ready:
+    """An IceCache's way from the prompt to retrieval: how long its first decode step waited
+    for the indexes; the decode steps that attended the whole cache meanwhile (the bridge), as
+    a user's generation goes on; the step that left the bridge ("switch": the tokens decoded
+    meanwhile join the indexes and windows, ``catch_up_s`` of it, and the layers' first host
+    jobs run), and when it started (from the prompt's start: every index was ready by then)."""
+
+    wait_s: float
+    bridged_s: List[float]
+    switch_s: float
+    catch_up_s: float
+    ready_s: float
+
+
 def bench_attention(module, query, key, value, attention_mask, **kwargs):
     """The model's attention here: FlashInfer single-sequence decode over the whole cache while
     the full-cache FlashInfer variant steps, IceCache's attention function otherwise (plain SDPA
@@ -209,6 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ttst-repeats", type=int, default=1, help="TTST rounds per variant (order rotated; median)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument(
@@ -325,7 +350,22 @@ def main(argv=None) -> int:
             t_first = time.perf_counter() - t
             tok = step(cache, tok)
         sync()
-        return time.perf_counter() - t, t_first, tok
+        total = time.perf_counter() - t
+        if not isinstance(cache, IceCache):
+            return total, t_first, tok, None
+        waited = cache.stats.index_wait_s
+        steps = [total - t_first]  # the second token's step, then on until the switch
+        ready = t_first
+        with torch.inference_mode():
+            while cache.runtime.bridged:
+                ready = time.perf_counter() - t
+                t1 = time.perf_counter()
+                tok = step(cache, tok)
+                sync()
+                steps.append(time.perf_counter() - t1)
+        if len(steps) == 1:  # no bridge: the second token's step was the switch, after its wait
+            return total, t_first, tok, Ready(waited, [], steps[0], cache.stats.catch_up_s, t_first + waited)
+        return total, t_first, tok, Ready(waited, steps[:-1], steps[-1], cache.stats.catch_up_s, ready)
 
     def profiled(what, fn):
         import cProfile
@@ -354,6 +394,7 @@ def main(argv=None) -> int:
             "fullfi": ("full (FlashInfer)", full_flashinfer),
             "ice": ("IceCache", lambda: make_ice(1)),
             "ice3": ("IceCache reuse=3", lambda: make_ice(3)),
+            "ice-wait": ("IceCache exact_until_indexed=False", lambda: make_ice(1, exact_until_indexed=False)),
             "ice-r2": ("IceCache refresh=2", lambda: make_ice(1, refresh=2)),
             "fresh": ("IceCache fresh", lambda: make_ice(1, lookahead=False)),
             "ice-fixed": ("IceCache budget_mode=fixed", lambda: make_ice(1, budget_mode="fixed")),
@@ -366,17 +407,45 @@ def main(argv=None) -> int:
         if "fullfi" in args.variants and fi_error:
             makers.pop("fullfi")
             log(f"full (FlashInfer) variant skipped: {fi_error}")
-        for name, make in (makers[k] for k in args.variants if k in makers):
-            cache = make()
-            if args.cprofile and not name.startswith("full"):
-                total, first, tok = profiled(f"{n}: {name}: prefill", functools.partial(ttst, cache, ids))
-            else:
-                total, first, tok = ttst(cache, ids)
-            variants[name] = dict(cache=cache, tok=tok, ttst=total, ttft=first, steps=[])
-            if isinstance(cache, IceCache):  # how long the first decode step waited for the index
-                variants[name]["index_wait_s"] = cache.stats.index_wait_s
-                shard, threads = cache.shard, cache.runtime.config.threads
-            log(f"{n}: {name}: TTFT {first:.2f} s, TTST {total:.2f} s")
+        chosen = [k for k in args.variants if k in makers]
+        if cuda:  # kernels and allocator warm before the first variant's TTST
+            ttst(DynamicCache(config=model.config), ids)
+        ttsts: dict = {makers[k][0]: [] for k in chosen}
+        for rnd in range(args.ttst_repeats):
+            if variants:  # an earlier round's caches: their TTSTs are kept, their memory freed
+                for v in variants.values():
+                    if isinstance(v["cache"], IceCache):
+                        with torch.inference_mode():  # its full layers' tensors are inference tensors
+                            v["cache"].reset()
+                variants.clear()
+                if cuda:
+                    torch.cuda.empty_cache()
+            for k in chosen[rnd % len(chosen) :] + chosen[: rnd % len(chosen)]:
+                name, make = makers[k]
+                cache = make()
+                if args.cprofile and not name.startswith("full"):
+                    total, first, tok, ready = profiled(f"{n}: {name}: prefill", functools.partial(ttst, cache, ids))
+                else:
+                    total, first, tok, ready = ttst(cache, ids)
+                ttsts[name].append(total)
+                variants[name] = dict(cache=cache, tok=tok, ttft=first, steps=[])
+                if isinstance(cache, IceCache):
+                    v = variants[name]
+                    v["index_wait_s"], v["index_ready_s"] = ready.wait_s, ready.ready_s
+                    v["switch_s"], v["catch_up_s"] = ready.switch_s, ready.catch_up_s
+                    v["bridged_steps"] = len(ready.bridged_s)
+                    bridged = statistics.median(ready.bridged_s) * 1e3 if ready.bridged_s else float("nan")
+                    v["bridged_step_ms"] = bridged
+                    shard, threads = cache.shard, cache.runtime.config.threads
+                    log(
+                        f"{n}: {name}: TTFT {first:.2f} s, TTST {total:.2f} s, {len(ready.bridged_s)} steps bridged "
+                        f"(median {bridged:.1f} ms), index ready by {ready.ready_s:.2f} s, switch step "
+                        f"{ready.switch_s * 1e3:.0f} ms (catch-up {ready.catch_up_s * 1e3:.0f} ms)"
+                    )
+                else:
+                    log(f"{n}: {name}: TTFT {first:.2f} s, TTST {total:.2f} s")
+        for name, v in variants.items():
+            v["ttst"], v["ttst_rounds"] = statistics.median(ttsts[name]), ttsts[name]
         with torch.inference_mode():
             for v in variants.values():
                 for _ in range(args.warmup):
@@ -433,7 +502,8 @@ def main(argv=None) -> int:
                     sync()
 
                 profiled(f"{n}: {name}: {args.cprofile} decode steps", steps)
-        for name, v in variants.items():
+        for name in (makers[k][0] for k in chosen):  # rows in the order asked for
+            v = variants[name]
             cache = v["cache"]
             if isinstance(cache, IceCache):
                 nb = cache.nbytes()
@@ -447,6 +517,7 @@ def main(argv=None) -> int:
                 variant=name,
                 ttft_s=v["ttft"],
                 ttst_s=v["ttst"],
+                ttst_s_per_round=v["ttst_rounds"],
                 tpot_ms=statistics.median(v["steps"]) * 1e3,
                 tpot_ms_per_round=[
                     statistics.median(v["steps"][i * args.steps : (i + 1) * args.steps]) * 1e3
@@ -462,6 +533,11 @@ def main(argv=None) -> int:
                 "pages_loaded",
                 "pages_selected",
                 "index_wait_s",
+                "index_ready_s",
+                "switch_s",
+                "catch_up_s",
+                "bridged_steps",
+                "bridged_step_ms",
                 "host_ms_per_layer_step",
                 "wait_ms_per_layer_step",
             ):
@@ -487,17 +563,18 @@ def main(argv=None) -> int:
         f"{where}; torch {torch.__version__}, transformers "
         f"{transformers.__version__}, icecache {icecache.__version__}; {args.shape} shape "
         f"({args.layers} layers), random {dtype} weights, batch {args.batch}; budget {args.budget} "
-        f"(page 16, sink 16, window 32, 2 full layers); TPOT median of "
+        f"(page 16, sink 16, window 32, 2 full layers); TTST median of {args.ttst_repeats} round(s) "
+        f"(variants rotated, after a warm-up prefill on a GPU); TPOT median of "
         f"{args.repeats}x{args.steps} interleaved steps after {args.warmup} warm-up steps; "
         f"tok/s = batch / TPOT"
     )
     lines = [
         head,
         "",
-        "| context | variant | TTST s | x full | index wait s | TPOT ms | x full | tok/s | host ms/layer step "
-        "(waiting) | synced pass ms | wait | copy | attention | rest | worker insert/select/gather ms "
-        "| pages loaded/tok | device KV MB | host MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| context | variant | TTST s | x full | index wait s | bridged steps (ms) | ready s | switch ms "
+        "| TPOT ms | x full | tok/s | host ms/layer step (waiting) | synced pass ms | wait | copy | attention | rest "
+        "| worker insert/select/gather ms | pages loaded/tok | device KV MB | host MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         # "x full": against the faster full-cache run (SDPA or FlashInfer) of the same context.
@@ -505,6 +582,11 @@ def main(argv=None) -> int:
         ratio = r["tpot_ms"] / min(x["tpot_ms"] for x in fulls) if fulls else float("nan")
         ttst_ratio = r["ttst_s"] / min(x["ttst_s"] for x in fulls) if fulls else float("nan")
         wait = f"{r['index_wait_s']:.2f}" if "index_wait_s" in r else "-"
+        if "index_ready_s" not in r:
+            ready = "- | - | -"
+        else:
+            bridged = f"{r['bridged_steps']} ({r['bridged_step_ms']:.1f})" if r["bridged_steps"] else "0"
+            ready = f"{bridged} | {r['index_ready_s']:.2f} | {r['switch_s'] * 1e3:.0f}"
         if "breakdown" in r:
             b = {k: v * 1e3 for k, v in r["breakdown"].items()}
             w = {k: v * 1e3 for k, v in r["worker"].items()}
@@ -518,7 +600,7 @@ def main(argv=None) -> int:
         else:
             parts = "- | - | - | - | - | - | - | -"
         lines.append(
-            f"| {r['context']} | {r['variant']} | {r['ttst_s']:.2f} | {ttst_ratio:.2f} | {wait} | "
+            f"| {r['context']} | {r['variant']} | {r['ttst_s']:.2f} | {ttst_ratio:.2f} | {wait} | {ready} | "
             f"{r['tpot_ms']:.1f} | {ratio:.2f} | {args.batch / r['tpot_ms'] * 1e3:.1f} | "
             f"{parts} | {r['device_kv_bytes'] / 2**20:.0f} | {r['host_bytes'] / 2**20:.0f} |"
         )

@@ -501,6 +501,10 @@ def test_attention_recall():
 
 # --------------------------------------------------------------------------- tiny models
 
+# Tests that compare two IceCache runs, count the window's moves or judge retrieval pass
+# ``exact_until_indexed=False``: with the default bridge, how many first steps attend the whole
+# cache depends on how fast the worker builds the index. The bridge has tests of its own.
+
 
 @pytest.mark.parametrize(
     "arch, reuse, lookahead, budget_mode",
@@ -526,7 +530,13 @@ def test_budget_covering_context_equals_full_cache(arch, reuse, lookahead, budge
     full = run_steps(model, ids, DynamicCache(config=model.config), 32)
     refresh = 2 if lookahead == "refresh" else 1
     cfg = IceCacheConfig(
-        budget=1024, full_layers=1, reuse=reuse, lookahead=bool(lookahead), refresh=refresh, budget_mode=budget_mode
+        budget=1024,
+        full_layers=1,
+        exact_until_indexed=False,
+        reuse=reuse,
+        lookahead=bool(lookahead),
+        refresh=refresh,
+        budget_mode=budget_mode,
     )
     cache = IceCache(cfg, model)
     ice = run_steps(model, ids, cache, 32)
@@ -562,6 +572,7 @@ def test_long_generation_inserts_evicts_and_reloads(reuse, lookahead, refresh, b
     cfg = IceCacheConfig(
         budget=96,
         full_layers=1,
+        exact_until_indexed=False,
         reuse=reuse,
         superset_pages=12,
         pool_pages=16,
@@ -597,7 +608,7 @@ def test_lookahead_keeps_flushed_tokens_attended_until_inserted(pool_checks):
     model = tiny_model("llama")
     ids = prompt_ids(200, seed=11)
     full = run_steps(model, ids, DynamicCache(config=model.config), 70)
-    cache = IceCache(IceCacheConfig(budget=2048, full_layers=1, window=16), model)
+    cache = IceCache(IceCacheConfig(budget=2048, full_layers=1, exact_until_indexed=False, window=16), model)
     seen = []
 
     def after_step():
@@ -614,12 +625,88 @@ def test_lookahead_keeps_flushed_tokens_attended_until_inserted(pool_checks):
     assert [i for i, (_, m) in enumerate(seen) if m] == [16, 32, 48, 64]
 
 
+def _held_bridge_run(model, ids, mask, cfg, bridged_steps, steps):
+    """Decode with the index worker held for the first ``bridged_steps`` steps (a job queued
+    before the prompt's), then released, and its jobs (the prompt's, then the catch-up's)
+    waited for after every step; returns the logits, the cache and which layers were bridging
+    after each step."""
+    released = threading.Event()
+    cache = IceCache(cfg, model)
+    cache.runtime.submit(released.wait, 60)
+    bridging = []
+
+    def after_step():
+        bridging.append([layer.bridging for layer in ice_layers(cache)])
+        if len(bridging) >= bridged_steps:
+            released.set()
+            cache.wait_indexed()
+
+    try:
+        logits = run_steps(model, ids, cache, steps, attention_mask=mask, after_step=after_step)
+    finally:
+        released.set()
+    return logits, cache, bridging
+
+
+@pytest.mark.parametrize("reuse", [1, 2])
+def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse):
+    """``exact_until_indexed``: while the index worker is held, decode steps attend each
+    layer's whole cache, exactly as the full cache; at the first step after the index is
+    ready, the tokens decoded meanwhile join the index (inserted, or for a sequence whose
+    prompt fit in sink and window, the first build) and the window, and retrieval goes on
+    exactly (the budget covers the context). Batch of two with left padding, one of them
+    too short for a middle; with layer reuse the followers rewrite their pages."""
+    model = tiny_model("llama")
+    a, b = prompt_ids(300, seed=13), prompt_ids(40, seed=14)
+    ids = torch.zeros(2, 300, dtype=torch.long)
+    mask = torch.zeros(2, 300, dtype=torch.long)
+    ids[0], mask[0] = a[0], 1
+    ids[1, 260:], mask[1, 260:] = b[0], 1
+    full_cache = DynamicCache(config=model.config)
+    full = run_steps(model, ids, full_cache, 60, attention_mask=mask)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=reuse)
+    held = 37
+    ice, cache, bridging = _held_bridge_run(model, ids, mask, cfg, held, 60)
+    torch.testing.assert_close(ice, full, rtol=1e-5, atol=1e-5)
+    layers = ice_layers(cache)
+    # The step after the release hands the backlog (the prompt's window and 37 tokens, less a
+    # window) to the worker and bridges on; the next one leaves the bridge.
+    assert all(all(step) for step in bridging[: held + 1]) and not any(any(step) for step in bridging[held + 1 :])
+    assert cache.stats.bridged_steps == (held + 1) * len(layers)
+    for layer in layers:
+        layer.jobs.wait()  # the look-ahead job of the next step has inserted too
+        keys = full_cache.layers[layer.layer_idx].keys  # [B, H, T, D], every token but the last
+        indexes = layer.indexes if layer.leader is None else layer.leader.indexes
+        for seq, index in enumerate(indexes):
+            real = keys[seq][:, mask[seq].bool().tolist() + [True] * (keys.shape[2] - mask.shape[1])]
+            n = real.shape[1]
+            s = layer.sink_len[seq]
+            assert s + len(index.forest) + layer.win_len[seq] - layer._in_job[seq] == n
+            for h in range(layer.heads):  # the stores hold each offloaded token in its page
+                page, slot = (torch.from_numpy(x).long() for x in index.forest.token_map(h))
+                stored = layer.stores[seq].k[h, page, slot]
+                torch.testing.assert_close(stored, real[h, s : s + len(page)], rtol=0, atol=0)
+
+
+def test_bridge_leaves_when_the_index_is_ready_without_waiting():
+    """The first decode steps do not wait for a held index worker (each would block for the
+    hold's full minute otherwise), and the step after its release leaves the bridge."""
+    model = tiny_model("llama")
+    ids = prompt_ids(300, seed=15)
+    cfg = IceCacheConfig(budget=96, full_layers=1)
+    t = time.perf_counter()
+    _, cache, bridging = _held_bridge_run(model, ids, None, cfg, 5, 8)
+    assert time.perf_counter() - t < 30
+    assert [all(step) for step in bridging] == [True] * 5 + [False] * 3  # a backlog of 5: no catch-up job
+    assert cache.stats.index_wait_s < 30 and cache.stats.catch_up_s > 0
+
+
 def test_worker_error_surfaces_at_the_next_step_and_reset_recovers():
     """A look-ahead job that fails on the worker (here: it is lent page stores too small for
     the pages it must gather) raises at the step that needs its outcome, and again at the
     steps after; reset recovers and the cache serves the prompt again."""
     model = tiny_model("llama")
-    cfg = IceCacheConfig(budget=96, full_layers=1)
+    cfg = IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=False)
     cache = IceCache(cfg, model)
     ids = prompt_ids(300, seed=12)
     reference = run_steps(model, ids, IceCache(cfg, model), 4)
@@ -645,7 +732,9 @@ def test_prefill_indexes_on_the_worker_while_the_forward_returns(monkeypatch):
     the first decode step waits for the index, and its output is the same as without the hold."""
     model = tiny_model("llama")
     ids = prompt_ids(300, seed=6)
-    reference = run_steps(model, ids, IceCache(IceCacheConfig(budget=96, full_layers=1), model), 3)
+    reference = run_steps(
+        model, ids, IceCache(IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=False), model), 3
+    )
 
     released, seen = threading.Event(), []
     add = PageIndex.add
@@ -655,7 +744,7 @@ def test_prefill_indexes_on_the_worker_while_the_forward_returns(monkeypatch):
         return add(self, *args)
 
     monkeypatch.setattr(PageIndex, "add", held_add)
-    cache = IceCache(IceCacheConfig(budget=96, full_layers=1), model)
+    cache = IceCache(IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=False), model)
     with torch.inference_mode():
         model(ids, **{CACHE_KW: cache})
     assert seen == []  # nothing indexed yet: the forward did not wait for the index
@@ -694,7 +783,7 @@ def test_batch_with_left_padding_matches_each_prompt_alone():
     mask = torch.zeros(2, 300, dtype=torch.long)
     ids[0], mask[0] = a[0], 1
     ids[1, 130:], mask[1, 130:] = b[0], 1
-    cfg = IceCacheConfig(budget=96, full_layers=1)
+    cfg = IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=False)
     batch = run_steps(model, ids, IceCache(cfg, model), 40, attention_mask=mask)
     alone_a = run_steps(model, a, IceCache(cfg, model), 40)
     alone_b = run_steps(model, b, IceCache(cfg, model), 40)
@@ -726,7 +815,7 @@ def test_from_prefilled_equals_own_prefill():
     """One full-cache prefill can serve IceCache: same decode as an IceCache that prefilled."""
     model = tiny_model("gemma3")
     ids = prompt_ids(301, seed=8)
-    cfg = IceCacheConfig(budget=96, full_layers=1)
+    cfg = IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=False)
     own = IceCache(cfg, model)
     prefix = DynamicCache(config=model.config)
     with torch.inference_mode():
@@ -769,7 +858,7 @@ def test_effort_auto_calibrates_each_leader_on_its_prompt_queries(monkeypatch):
 
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", seen)
     monkeypatch.setattr(PageIndex, "calibrate", recorded)
-    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=2, effort="auto")
+    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=2, effort="auto", exact_until_indexed=False)
     cache = IceCache(cfg, model)
     ice = run_steps(model, ids, cache, 20, attention_mask=mask)
     torch.testing.assert_close(ice, full, rtol=1e-4, atol=1e-4)
@@ -878,7 +967,7 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
     agree = {}
     for lookahead in (True, False):
         t1 = time.perf_counter()
-        cfg = IceCacheConfig(budget=256, lookahead=lookahead)
+        cfg = IceCacheConfig(budget=256, lookahead=lookahead, exact_until_indexed=False)
         cache = IceCache.from_prefilled(cfg, model, prefix, track_recall=True)
         predicted = []
         with torch.inference_mode():
@@ -979,7 +1068,7 @@ def test_gemma3_real_model_exact_and_retrieves_passkey(gemma3):
     answer = tokenizer.decode(full[0].argmax(-1))
     assert prompt.is_correct(answer), answer  # the full cache solves it
 
-    small = IceCache(IceCacheConfig(budget=128, full_layers=0), model)
+    small = IceCache(IceCacheConfig(budget=128, full_layers=0, exact_until_indexed=False), model)
     got = tokenizer.decode(run_steps(model, ids, small, 6)[0].argmax(-1))
     print(f"\nGemma-3-270M {n}-token passkey: full {answer!r}, IceCache 128 {got!r}")
     assert prompt.is_correct(got), got

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from icecache.attend import ranked_decode_attention  # noqa: E402
 from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 from test_runtime import (  # noqa: E402, F401 (pool_checks is a fixture)
+    _held_bridge_run,
     _naive_ranked,
     _ranked_inputs,
     ice_layers,
@@ -49,7 +50,15 @@ def test_cuda_budget_covering_context_matches_full_cache(dtype, lookahead):
 def test_cuda_pages_move_through_pinned_staging(reuse, lookahead, pool_checks):  # noqa: F811
     model = tiny_model("llama").cuda().to(torch.bfloat16)
     ids, mask = _padded_batch()
-    cfg = IceCacheConfig(budget=96, full_layers=1, reuse=reuse, superset_pages=12, pool_pages=16, lookahead=lookahead)
+    cfg = IceCacheConfig(
+        budget=96,
+        full_layers=1,
+        reuse=reuse,
+        superset_pages=12,
+        pool_pages=16,
+        lookahead=lookahead,
+        exact_until_indexed=False,  # pages move from the first step
+    )
     cache = IceCache(cfg, model, track_recall=True)
     logits = run_steps(model, ids, cache, 100, attention_mask=mask)
     torch.cuda.synchronize()
@@ -91,9 +100,32 @@ def test_cuda_graphs_decode_like_the_eager_path(budget_mode):
     runs = []
     for graphs in (True, False):
         cfg = IceCacheConfig(
-            budget=96, full_layers=1, superset_pages=12, pool_pages=16, cuda_graphs=graphs, budget_mode=budget_mode
+            budget=96,
+            full_layers=1,
+            superset_pages=12,
+            pool_pages=16,
+            cuda_graphs=graphs,
+            budget_mode=budget_mode,
+            exact_until_indexed=False,  # both runs retrieve from the first step
         )
         cache = IceCache(cfg, model)
         runs.append(run_steps(model, ids, cache, 40, attention_mask=mask))
         assert all(bool(layer._step._graphs) == graphs for layer in ice_layers(cache))
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_bridge_is_exact_then_hands_over(dtype):
+    """``exact_until_indexed`` on the GPU: steps with the index worker held attend the whole
+    cache as the full cache does; after the hand-over, retrieval with CUDA graphs, the budget
+    covering the context, stays exact."""
+    model = tiny_model("llama").cuda().to(dtype)
+    ids, mask = _padded_batch()
+    full = run_steps(model, ids, DynamicCache(config=model.config), 40, attention_mask=mask)
+    cfg = IceCacheConfig(budget=1024, full_layers=1)
+    ice, cache, bridging = _held_bridge_run(model, ids, mask, cfg, 17, 40)
+    assert [all(step) for step in bridging] == [True] * 18 + [False] * 22  # the 18th hands 17 tokens to the worker
+    if dtype == torch.float32:
+        torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
+    else:  # bf16 rounding differs between kernels; the predictions must still agree
+        assert (ice.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9

@@ -38,8 +38,11 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 RANKS = 2
 PROMPT = 300
 STEPS = 20
-EXACT = IceCacheConfig(budget=1024, full_layers=1)  # every page fits: exact
-SMALL = IceCacheConfig(budget=96, full_layers=0, superset_pages=12)  # selects 12 of more pages, attends 3
+# Each rank would leave the bridge at its own step: reproducible runs wait for the index.
+EXACT = IceCacheConfig(budget=1024, full_layers=1, exact_until_indexed=False)  # every page fits: exact
+SMALL = IceCacheConfig(  # selects 12 of more pages, attends 3
+    budget=96, full_layers=0, superset_pages=12, exact_until_indexed=False
+)
 
 
 def _config(kv_heads: int = 4) -> LlamaConfig:

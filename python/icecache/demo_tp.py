@@ -208,7 +208,9 @@ def _rank_main(options: dict) -> None:
     warnings.filterwarnings("ignore")
     cfg = demo_config()
     configs = [
-        IceCacheConfig(budget=b, full_layers=options["full_layers"], reuse=options["reuse"]) for b in options["budgets"]
+        # Reproducible: every rank leaves the bridge at its own step otherwise.
+        IceCacheConfig(budget=b, full_layers=options["full_layers"], reuse=options["reuse"], exact_until_indexed=False)
+        for b in options["budgets"]
     ]
     torch.manual_seed(0)
     state = LlamaForCausalLM(cfg).state_dict()  # the same weights in every rank
@@ -296,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     options = _options(args)
     # Every check before any process starts.
     for b in options["budgets"]:
-        IceCacheConfig(budget=b, full_layers=options["full_layers"], reuse=options["reuse"])
+        IceCacheConfig(budget=b, full_layers=options["full_layers"], reuse=options["reuse"], exact_until_indexed=False)
     if "RANK" in os.environ:  # under torchrun
         import torch.distributed as dist
 

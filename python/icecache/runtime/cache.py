@@ -195,4 +195,4 @@ class IceCache(Cache):
         cancelled, and its errors are forgotten."""
         self.runtime.wait_indexed(errors=False)
         super().reset()
-        self.runtime.stats = RuntimeStats()
+        self.runtime.forget()

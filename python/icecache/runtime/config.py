@@ -103,6 +103,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
     "reuse": _non_negative_int,
     "budget_mode": _budget_mode,
     "lookahead": _bool,
+    "exact_until_indexed": _bool,
     "superset_pages": _optional(_non_negative_int),
     "successors": _non_negative_int,
     "refresh": _non_negative_int,
@@ -154,6 +155,18 @@ class IceCacheConfig:
             ranks them by their exact attention mass under its own queries and attends the
             heaviest ``retrieved_pages``. ``False``: fresh selection, where every step sends its
             queries to the host and waits for the selection (the exact reference, slower).
+        exact_until_indexed: decode from the prompt's whole cache on the device until every
+            layer's index is ready (default). The prefill builds the indexes on a worker thread,
+            which at long contexts finishes seconds after the prompt's forward; meanwhile each
+            decode step attends every token exactly, as a full cache does (the prompt's keys
+            and values stay on the device until then; the prefill pipeline holds them until the
+            worker has copied them anyway), so the first tokens come at the full cache's pace.
+            At the first step after every index is ready, the tokens decoded meanwhile go to the
+            index and the window, the prompt's device copy is freed and retrieval begins. That
+            step depends on how fast the host builds, so the tokens generated can differ
+            between runs and machines (each bridged step is exact, each later one retrieves);
+            ``False``: the first decode step waits for the indexes instead (reproducible, and
+            the prompt leaves the device as soon as it is copied).
         superset_pages: pages the look-ahead selects per (layer, KV head, step), ranked on the
             device. Default: ``4 * retrieved_pages``, at least 32 (measured on real SmolLM2
             attention, see benches/RESULTS.md: 4x at budget 256; small budgets need the floor).
@@ -204,6 +217,7 @@ class IceCacheConfig:
     reuse: int = 1
     budget_mode: str = "adaptive"
     lookahead: bool = True
+    exact_until_indexed: bool = True
     superset_pages: Optional[int] = None
     successors: int = 32
     refresh: int = 1

@@ -13,7 +13,9 @@ thread-local slot, and the attention function takes it from there:
 - an IceCache layer with its prompt: exact SDPA over the prompt, then the layer offloads and
   indexes it (the mask tells which positions are padding; with ``effort="auto"`` the layer
   also keeps the prompt's last queries, to calibrate its index on);
-- an IceCache layer in a decode step: sparse attention over sink + selected pages + window.
+- an IceCache layer in a decode step: sparse attention over sink + selected pages + window;
+  while the indexes are still being built (``IceCacheConfig.exact_until_indexed``), SDPA over
+  the layer's whole cache, as for a full cache.
 
 The mask function is transformers' ``sdpa_mask``; without a registered mask function,
 transformers silently passes ``attention_mask=None`` and padding would be ignored.
@@ -77,7 +79,7 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layer = _take(module)
-    if layer is None or not layer.decoding:
+    if layer is None or not layer.decoding or layer.bridging:
         if query.shape[2] == 1 and query.is_cuda:
             with sdpa_kernel(_DECODE_BACKENDS):
                 return sdpa_attention_forward(
@@ -86,7 +88,7 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
         out = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-        if layer is not None:
+        if layer is not None and not layer.decoding:
             layer.ingest_prompt(_valid_positions(attention_mask), query)
         return out
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:

@@ -20,7 +20,14 @@ from icecache.runtime.pages import History, PageIndex, PageStore, numpy_view
 from icecache.runtime.step import DeviceStep
 from icecache.runtime.transfer import StepBuffers, Transit
 
-__all__ = ["IceLayer", "Runtime", "RuntimeStats"]
+__all__ = ["Bridge", "IceLayer", "Runtime", "RuntimeStats"]
+
+
+#: The step that leaves the bridge (``IceCacheConfig.exact_until_indexed``) moves at most this
+#: many tokens per sequence into the index itself (a page); a larger backlog goes to the index
+#: worker first, while the bridge goes on: on the H200 host, moving the 359 tokens decoded during
+#: a 128k build into 30 layers' indexes took 2.3 s, a stall of that step.
+CATCH_UP_ON_THE_STEP = 16
 
 
 @dataclass
@@ -41,6 +48,10 @@ class RuntimeStats:
     ``worker_insert_s``, ``worker_select_s`` and ``worker_gather_s`` add up what the host jobs
     spent inserting flushed tokens, selecting and planning, and gathering pages (on the
     worker's threads, mostly off the critical path).
+    ``bridged_steps`` counts the layer steps that attended the prompt's whole cache while the
+    indexes were being built (``IceCacheConfig.exact_until_indexed``; ``index_wait_s`` is
+    then the wait of the step that left the bridge, normally none) and ``catch_up_s`` the time
+    that step spent moving the tokens decoded meanwhile into the indexes and windows.
     ``pages_selected`` counts the pages the host selected, ``pages_loaded`` those copied,
     summed over layers, sequences and KV heads; ``recalls`` holds one recall per (layer,
     sequence, step) and ``reranked`` one share per (layer, step) of attended pages that the
@@ -55,6 +66,8 @@ class RuntimeStats:
     recall_s: float = 0.0
     index_wait_s: float = 0.0
     calibrate_s: float = 0.0
+    bridged_steps: int = 0
+    catch_up_s: float = 0.0
     worker_insert_s: float = 0.0
     worker_select_s: float = 0.0
     worker_gather_s: float = 0.0
@@ -87,6 +100,12 @@ class Runtime:
     query_heads: int = 0
     _worker: Optional[_core.LookAhead] = None
     _graph_pool: Optional[Any] = None
+    #: The layers that hold a bridge (``IceCacheConfig.exact_until_indexed``), in layer order
+    #: (a reuse group's leader first).
+    bridged: List["IceLayer"] = field(default_factory=list)
+    # The decode position the bridge decision was taken at, and that decision.
+    _bridge_at: int = -1
+    _bridging: bool = False
 
     def __post_init__(self) -> None:
         self.transit = Transit(self.device)
@@ -130,11 +149,88 @@ class Runtime:
             self._pending.pop(0)
         self.stats.index_wait_s += time.perf_counter() - t
 
+    def bridging(self, position: int) -> bool:
+        """Whether the decode step at ``position`` still attends the prompt's whole cache
+        (``IceCacheConfig.exact_until_indexed``): while any prompt job is unfinished. Decided
+        once per step, at its first IceCache layer, so that every layer leaves the bridge at
+        the same step (a layer's first insert must not race the worker still writing the pages
+        of the layers that follow its layout)."""
+        if position != self._bridge_at:
+            self._bridge_at = position
+            self._bridging = self._keep_bridging()
+        return self._bridging
+
+    def _keep_bridging(self) -> bool:
+        """Bridge on while prompt or catch-up jobs run; once they are done, leave the bridge if
+        at most :data:`CATCH_UP_ON_THE_STEP` tokens per sequence wait for the index (or a job
+        failed: the step raises its error), else hand the backlog to the worker first."""
+        if not all(f.done() for f in self._pending):
+            return True
+        if not self.bridged or any(f.exception() is not None for f in self._pending):
+            return False
+        if self.bridged[0].bridge_backlog() <= CATCH_UP_ON_THE_STEP:
+            return False
+        for layer in self.bridged:  # in layer order: a reuse group's leader first
+            layer.submit_catch_up()
+        return True
+
+    def leave_bridges(self) -> None:
+        """Every bridged layer hands its tokens over (``IceLayer.leave_bridge``), all at once
+        before any layer's first job: a leader's first job inserts the page its window flushes,
+        which the layers that follow its layout must not see before their own catch-up.
+        Raises a failed prompt job's error first."""
+        self.wait_indexed()
+        t = time.perf_counter()
+        layers, self.bridged = self.bridged, []
+        for layer in layers:
+            layer.leave_bridge()
+        self.stats.catch_up_s += time.perf_counter() - t
+
+    def forget(self) -> None:
+        """Fresh counters and bridge state for a new prompt (the jobs must be finished)."""
+        self.stats = RuntimeStats()
+        self._bridge_at, self._bridging, self.bridged = -1, False, []
+
     def tick(self) -> float:
         """A timestamp for the breakdown (after a device sync when :attr:`sync_timing`)."""
         if self.sync_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+@dataclass
+class Bridge:
+    """A layer's whole cache on the device while the indexes are built
+    (``IceCacheConfig.exact_until_indexed``): the prompt's keys and values with the tokens
+    decoded since, ``[B, H_kv, T + t, D]``, attended as a full cache does."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    #: ``[B, T]`` real (non-padding) prompt positions, or ``None`` for all.
+    valid: Optional[torch.Tensor]
+    #: Per sequence, the first real token the index does not hold (at first the prompt's
+    #: window; catch-up jobs move it on).
+    unindexed: List[int]
+    #: Per sequence, the prompt's padding positions.
+    padding: List[int]
+
+    def real(self, b: int) -> int:
+        """Sequence ``b``'s real tokens so far."""
+        return self.k.shape[-2] - self.padding[b]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = torch.cat([self.k, k], dim=-2)
+        self.v = torch.cat([self.v, v], dim=-2)
+
+    def tokens(self, b: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``b``'s real tokens ``[H_kv, n, D]``, keys and values."""
+        kb, vb = self.k[b], self.v[b]
+        if self.valid is None or bool(self.valid[b].all()):
+            return kb, vb
+        T = self.valid.shape[1]
+        idx = torch.cat([self.valid[b].nonzero()[:, 0], torch.arange(T, kb.shape[1], device=self.valid.device)])
+        idx = idx.to(kb.device)
+        return kb[:, idx], vb[:, idx]
 
 
 class IceLayer(CacheLayerMixin):
@@ -188,6 +284,7 @@ class IceLayer(CacheLayerMixin):
         self.jobs: Optional[_core.LookAheadLayer] = None
         self._step: Optional[DeviceStep] = None
         self._step_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._bridge: Optional[Bridge] = None
         self.steps = 0
 
     # ------------------------------------------------------------------ transformers API
@@ -245,6 +342,14 @@ class IceLayer(CacheLayerMixin):
             )
         if key_states.shape[0] != self.batch:
             raise ValueError(f"batch size changed from {self.batch} to {key_states.shape[0]}")
+        if self._bridge is not None:
+            if self.runtime.bridging(self.length):
+                self._bridge.append(key_states.to(self.device), value_states.to(self.device))
+                self.length += 1
+                self.runtime.stats.bridged_steps += 1
+                hand_off(self)
+                return self._bridge.k, self._bridge.v
+            self.runtime.leave_bridges()
         self.runtime.wait_indexed()
         t = time.perf_counter()
         self._append(key_states.to(self.device), value_states.to(self.device))
@@ -252,6 +357,12 @@ class IceLayer(CacheLayerMixin):
         self.length += 1
         hand_off(self)
         return key_states, value_states
+
+    @property
+    def bridging(self) -> bool:
+        """Whether this layer attends its whole cache from the device, as a full cache does,
+        while the indexes are built (``IceCacheConfig.exact_until_indexed``)."""
+        return self._bridge is not None
 
     def get_seq_length(self) -> int:
         """Logical length: every position seen, offloaded and padding ones included."""
@@ -315,7 +426,7 @@ class IceLayer(CacheLayerMixin):
             self.lazy_initialization(k, v)
             self.length = k.shape[-2]
         k, v = k.to(self.device), v.to(self.device)
-        middles = []
+        middles, unindexed = [], []
         for b in range(self.batch):
             kb, vb = k[b], v[b]
             qb = queries[b] if calibrate and queries is not None else None
@@ -332,6 +443,7 @@ class IceLayer(CacheLayerMixin):
             self.dense_valid[b, :, :s] = True
             self.dense_valid[b, :, ring] = True
             self.sink_len[b], self.win_start[b], self.win_len[b] = s, 0, w
+            unindexed.append(n - w)
             if n - s - w > 0:
                 # A copy of its own, in the keys' dtype, so that one transfer takes it with them.
                 q_last = None if qb is None else qb[:, -CALIBRATION_POSITIONS:].to(self.device, kb.dtype).clone()
@@ -342,6 +454,11 @@ class IceLayer(CacheLayerMixin):
                 ready = torch.cuda.Event()
                 ready.record()
             self.runtime.submit(self._index_prompt, middles, ready)
+            if cfg.exact_until_indexed:
+                T = k.shape[-2]
+                padding = [T - n for n in (valid.sum(-1).tolist() if valid is not None else [T] * self.batch)]
+                self._bridge = Bridge(k, v, None if valid is None else valid.to(self.device), unindexed, padding)
+                self.runtime.bridged.append(self)
         self.decoding = True
 
     def _index_prompt(self, middles: list, ready: Optional[torch.cuda.Event]) -> None:
@@ -360,6 +477,79 @@ class IceLayer(CacheLayerMixin):
             else:
                 self.histories[b].append(k_host, v_host)
                 self._lead.indexes[b].follow(self.histories[b], self.stores[b])
+
+    def bridge_backlog(self) -> int:
+        """The most tokens of any sequence that the bridge would move into the index now."""
+        bridge, window = self._bridge, self.runtime.config.window
+        if bridge is None:
+            return 0
+        return max(max(0, bridge.real(b) - bridge.unindexed[b] - window) for b in range(self.batch))
+
+    def submit_catch_up(self) -> None:
+        """Hand each sequence's tokens that left the window during the bridge to the index
+        worker (its copy on the side stream, then inserts), while the bridge goes on; the
+        bridge's tensors at this step are a snapshot: later steps make new ones."""
+        bridge, window = self._bridge, self.runtime.config.window
+        if bridge is None:
+            return
+        parts = []
+        for b in range(self.batch):
+            first = bridge.unindexed[b]
+            c = bridge.real(b) - first - window
+            if c > 0:
+                kb, vb = bridge.tokens(b)
+                parts.append((b, kb[:, first : first + c], vb[:, first : first + c]))
+        if parts:
+            ready = None
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+            self.runtime.submit(self._catch_up_job, bridge, parts, ready)
+
+    def _catch_up_job(self, bridge: Bridge, parts: list, ready: Optional[torch.cuda.Event]) -> None:
+        """Index worker: copy the tokens to the host and insert them (:meth:`_catch_up`)."""
+        for b, k, v in parts:
+            k_host, v_host = self.runtime.transit.to_host(ready, k, v)
+            self._catch_up(b, k_host, v_host)
+            bridge.unindexed[b] += k.shape[1]
+
+    def leave_bridge(self) -> None:
+        """At the first step after every index is ready (:meth:`Runtime.leave_bridges`): as if
+        the tokens decoded from the bridge had been part of the prompt, each sequence's window
+        takes its last ``window`` tokens and the index the ones before (inserted; a sequence
+        whose prompt had no middle gets its index built from them), then the bridge's device
+        copy is dropped. Nothing is resident
+        on the device yet (the layer's first job comes next), so no page goes stale."""
+        bridge, self._bridge = self._bridge, None
+        if bridge is None:
+            return
+        window = self.runtime.config.window
+        for b in range(self.batch):
+            kb, vb = bridge.tokens(b)
+            first = bridge.unindexed[b]
+            k_rest, v_rest = kb[:, first:], vb[:, first:]  # the prompt's window, then the bridge's
+            w = min(window, k_rest.shape[1])
+            c = k_rest.shape[1] - w
+            if c:
+                self._catch_up(b, k_rest[:, :c].contiguous().cpu(), v_rest[:, :c].contiguous().cpu())
+            ring = slice(self._ring_at, self._ring_at + w)
+            self.dense_kv[0, b, :, ring], self.dense_kv[1, b, :, ring] = k_rest[:, c:], v_rest[:, c:]
+            self.dense_valid[b, :, ring] = True
+            self.win_start[b], self.win_len[b] = 0, w
+
+    def _catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put sequence ``b``'s tokens ``[H_kv, c, D]`` (CPU) that left the window during the
+        bridge into its index and stores, in position order after the ones indexed before."""
+        if self.leader is not None:
+            self.histories[b].append(k, v)
+            self._lead.indexes[b].follow(self.histories[b], self.stores[b])
+            return
+        index, store = self.indexes[b], self.stores[b]
+        if index.forest is None:
+            index.add(k, v, store)
+            return
+        store.reserve(index.forest.max_pages() + k.shape[1])  # the build left headroom
+        index.forest.insert(numpy_view(k), numpy_view(v), *store.views())
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Take this step's token into each sequence's window; a full window first hands its
@@ -685,11 +875,14 @@ class IceLayer(CacheLayerMixin):
             self.runtime.stats.reranked.append(moved / total_kept)
 
     def nbytes(self) -> dict:
-        """Bytes held on the device (sink, window, page pool) and in host memory (stores)."""
+        """Bytes held on the device (sink, window, page pool; the bridge's whole cache while it
+        lasts) and in host memory (stores)."""
         if not self.is_initialized:
             return {"device": 0, "host": 0}
         self.runtime.wait_indexed()
         dev = sum(t.numel() * t.element_size() for t in (self.pool_kv, self.dense_kv))
+        if self._bridge is not None:
+            dev += 2 * self._bridge.k.numel() * self._bridge.k.element_size()
         host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
         if self.leader is not None:
             host += sum(h.k.numel() * h.k.element_size() * 2 for h in self.histories)

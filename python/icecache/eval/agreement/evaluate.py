@@ -130,7 +130,8 @@ def evaluate_prompts(
     at every budget decodes the same steps fed the full cache's tokens, and its argmax at each
     step is compared with the full cache's. IceCache runs with
     ``IceCacheConfig(budget, sink, window, page_size, full_layers, threads, effort)`` (and
-    ``budget_mode="adaptive"`` for ``icecache_adaptive``) and its defaults otherwise; the
+    ``budget_mode="adaptive"`` for ``icecache_adaptive``), ``exact_until_indexed=False`` (every
+    step retrieves) and its defaults otherwise; the
     emulated methods serve the same layers with the same sink and window.
     With ``effort="auto"`` IceCache calibrates on the prompt's queries, which the shared prefill
     does not keep: it runs its own prefill of the same tokens (exact attention either way), and
@@ -164,6 +165,7 @@ def evaluate_prompts(
             threads=threads,
             budget_mode=mode,
             effort=effort,
+            exact_until_indexed=False,  # every step retrieves: the method is measured, not the bridge
         )
         for m, mode in BUDGET_MODE.items()
         for b in budgets
