@@ -54,7 +54,7 @@ class RuntimeStats:
     that step spent moving the tokens decoded meanwhile into the indexes and windows.
     ``pages_selected`` counts the pages the host selected, ``pages_loaded`` those copied,
     summed over layers, sequences and KV heads; ``recalls`` holds one recall per (layer,
-    sequence, step) and ``reranked`` one share per (layer, step) of attended pages that the
+    sequence, retrieving step) and ``reranked`` one share per (layer, step) of attended pages that the
     device's ranking took from outside the host's top choices (both with ``track_recall``).
     """
 
@@ -151,10 +151,11 @@ class Runtime:
 
     def bridging(self, position: int) -> bool:
         """Whether the decode step at ``position`` still attends the prompt's whole cache
-        (``IceCacheConfig.exact_until_indexed``): while any prompt job is unfinished. Decided
-        once per step, at its first IceCache layer, so that every layer leaves the bridge at
-        the same step (a layer's first insert must not race the worker still writing the pages
-        of the layers that follow its layout)."""
+        (``IceCacheConfig.exact_until_indexed``): while any prompt or catch-up job is unfinished, or
+        more than a page per sequence waits for the index. Decided once per step, at its first
+        IceCache layer, so that every layer leaves the bridge at the same step (a layer's first
+        insert must not race the worker still writing the pages of the layers that follow its
+        layout)."""
         if position != self._bridge_at:
             self._bridge_at = position
             self._bridging = self._keep_bridging()
@@ -518,8 +519,8 @@ class IceLayer(CacheLayerMixin):
         the tokens decoded from the bridge had been part of the prompt, each sequence's window
         takes its last ``window`` tokens and the index the ones before (inserted; a sequence
         whose prompt had no middle gets its index built from them), then the bridge's device
-        copy is dropped. Nothing is resident
-        on the device yet (the layer's first job comes next), so no page goes stale."""
+        copy is dropped. Nothing is resident on the device yet (the layer's first job comes
+        next), so no page goes stale."""
         bridge, self._bridge = self._bridge, None
         if bridge is None:
             return
