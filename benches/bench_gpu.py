@@ -30,7 +30,13 @@ own shard. Per context length, one prompt of random tokens:
   TPOT pass, its total is shown too; the worker's own time per token (insert, select + plan,
   gather), pages loaded per token; ``--cprofile N`` adds cProfile tables of N steps (and of
   each prefill);
-- device KV bytes and host bytes (page stores + staging + transit) after decoding.
+- device KV bytes and host bytes (page stores + staging + transit) after decoding;
+- throughput: ``--batch 1 4 8`` runs everything above once per batch size (aggregate tok/s =
+  batch / TPOT, each against the full cache at the same batch) and, on a GPU, estimates the
+  most sequences of each context each variant fits on the machine from its measured bytes per
+  sequence (``capacity``). Random weights make consecutive queries unrelated, so every IceCache
+  step selects and loads a new superset: the worst selection-reuse rate (real models reuse most
+  pages from step to step, see RESULTS.md).
 
 Variants: ``full`` DynamicCache + SDPA, ``fullfi`` DynamicCache + FlashInfer single-sequence
 decode (needs FlashInfer; batch 1), ``ice`` IceCache (look-ahead), ``ice3`` IceCache with
@@ -45,7 +51,7 @@ and 100% for ``fresh``; with random weights consecutive queries are unrelated, s
 loads a new superset (the worst case; real models reload a few pages, see RESULTS.md).
 
     python benches/bench_gpu.py [--shape llama8b|smollm2] [--contexts 32768 131072] [--steps 32]
-        [--repeats 3] [--variants full fullfi ice ice3 fresh] [--batch B] [--threads N]
+        [--repeats 3] [--variants full fullfi ice ice3 fresh] [--batch B [B ...]] [--threads N]
         [--cprofile N] [--out DIR]
 
 Runs recorded in benches/RESULTS.md, on the lent H200 (icecache wheel, and for the ``fullfi``
@@ -197,6 +203,46 @@ class Ready:
     ready_s: float
 
 
+def capacity(results: List[dict], model) -> List[str]:
+    """The most sequences of each context that each variant fits on this machine, estimated from
+    its measured bytes per sequence at the largest batch run: device KV bytes (the weights are
+    subtracted from the GPU's memory, and for IceCache the whole prompt KV of one sequence, which
+    its prefill holds until the index worker has copied it: sequences prefilled one at a time)
+    and host bytes (page stores, staging, transit) against the host's memory. Activations are
+    not counted, so these are upper bounds."""
+    import torch
+
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    out = [
+        f"Capacity estimate: GPU {gpu / 2**30:.0f} GiB less {weights / 2**30:.1f} GiB of weights, host "
+        f"{host / 2**30:.0f} GiB; per-sequence bytes at the largest batch run; activations not counted",
+        "",
+        "| context | variant | device MiB / seq | host MiB / seq | sequences (GPU, host bound) | batch x context |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in sorted({r["context"] for r in results}):
+        rows = [r for r in results if r["context"] == n]
+        largest = {}
+        for r in rows:
+            if r["batch"] >= largest.get(r["variant"], {"batch": 0})["batch"]:
+                largest[r["variant"]] = r
+        full = [r for r in largest.values() if r["variant"].startswith("full")]
+        prompt = full[0]["device_kv_bytes"] / full[0]["batch"] if full else 0.0
+        for name, r in largest.items():
+            dev, hst = r["device_kv_bytes"] / r["batch"], r["host_bytes"] / r["batch"]
+            transient = 0.0 if name.startswith("full") else prompt
+            by_gpu = int((gpu - weights - transient) // dev)
+            by_host = int(host // hst) if hst else None
+            fits = by_gpu if by_host is None else min(by_gpu, by_host)
+            out.append(
+                f"| {n} | {name} | {dev / 2**20:.0f} | {hst / 2**20:.0f} | {fits} ({by_gpu}, "
+                f"{'-' if by_host is None else by_host}) | {fits} x {n} |"
+            )
+    return out
+
+
 def bench_attention(module, query, key, value, attention_mask, **kwargs):
     """The model's attention here: FlashInfer single-sequence decode over the whole cache while
     the full-cache FlashInfer variant steps, IceCache's attention function otherwise (plain SDPA
@@ -247,7 +293,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--threads", type=int, default=None, help="IceCacheConfig.threads (default: all cores, per rank its share)"
     )
-    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (same prompt length)")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="sequences decoded together (same prompt length); several: one run per batch size, and a "
+        "capacity estimate (the most sequences each variant's measured bytes per sequence fit)",
+    )
     ap.add_argument("--time-limit", type=float, default=1e9, help="skip contexts started after this many s")
     ap.add_argument(
         "--variants",
@@ -305,7 +358,7 @@ def main(argv=None) -> int:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    fi_error = "no CUDA" if not cuda else ("batch > 1" if args.batch > 1 else flashinfer_ready())
+    fi_error = "no CUDA" if not cuda else ("batch > 1" if min(args.batch) > 1 else flashinfer_ready())
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -382,12 +435,12 @@ def main(argv=None) -> int:
         return out
 
     results, shard, threads = [], None, None
-    for n in args.contexts:
+    for batch, n in ((b, n) for b in args.batch for n in args.contexts):
         if agree(time.perf_counter() - start > args.time_limit):
-            log(f"skipping {n}: time limit")
+            log(f"skipping batch {batch} x {n}: time limit")
             continue
         # The same prompt in every rank.
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, n), generator=torch.Generator().manual_seed(n)).to(device)
+        ids = torch.randint(0, cfg.vocab_size, (batch, n), generator=torch.Generator().manual_seed(n)).to(device)
         variants = {}
         makers = {
             "full": ("full (SDPA)", lambda: DynamicCache(config=model.config)),
@@ -404,9 +457,9 @@ def main(argv=None) -> int:
         for v in args.variants:  # ice-tN: IceCache whose index uses N threads
             if v.startswith("ice-t") and v[5:].isdigit():
                 makers[v] = (f"IceCache threads={v[5:]}", functools.partial(make_ice, 1, threads=int(v[5:])))
-        if "fullfi" in args.variants and fi_error:
+        if "fullfi" in args.variants and (fi_error or batch > 1):
             makers.pop("fullfi")
-            log(f"full (FlashInfer) variant skipped: {fi_error}")
+            log(f"full (FlashInfer) variant skipped: {fi_error or 'batch > 1'}")
         chosen = [k for k in args.variants if k in makers]
         if cuda:  # kernels and allocator warm before the first variant's TTST
             ttst(DynamicCache(config=model.config), ids)
@@ -513,6 +566,7 @@ def main(argv=None) -> int:
                     "host": 0,
                 }
             row = dict(
+                batch=batch,
                 context=n,
                 variant=name,
                 ttft_s=v["ttft"],
@@ -562,7 +616,7 @@ def main(argv=None) -> int:
     head = (
         f"{where}; torch {torch.__version__}, transformers "
         f"{transformers.__version__}, icecache {icecache.__version__}; {args.shape} shape "
-        f"({args.layers} layers), random {dtype} weights, batch {args.batch}; budget {args.budget} "
+        f"({args.layers} layers), random {dtype} weights; budget {args.budget} "
         f"(page 16, sink 16, window 32, 2 full layers); TTST median of {args.ttst_repeats} round(s) "
         f"(variants rotated, after a warm-up prefill on a GPU); TPOT median of "
         f"{args.repeats}x{args.steps} interleaved steps after {args.warmup} warm-up steps; "
@@ -571,14 +625,18 @@ def main(argv=None) -> int:
     lines = [
         head,
         "",
-        "| context | variant | TTST s | x full | index wait s | bridged steps (ms) | ready s | switch ms "
+        "| batch | context | variant | TTST s | x full | index wait s | bridged steps (ms) | ready s | switch ms "
         "| TPOT ms | x full | tok/s | host ms/layer step (waiting) | synced pass ms | wait | copy | attention | rest "
         "| worker insert/select/gather ms | pages loaded/tok | device KV MB | host MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         # "x full": against the faster full-cache run (SDPA or FlashInfer) of the same context.
-        fulls = [x for x in results if x["context"] == r["context"] and x["variant"].startswith("full")]
+        fulls = [
+            x
+            for x in results
+            if (x["batch"], x["context"]) == (r["batch"], r["context"]) and x["variant"].startswith("full")
+        ]
         ratio = r["tpot_ms"] / min(x["tpot_ms"] for x in fulls) if fulls else float("nan")
         ttst_ratio = r["ttst_s"] / min(x["ttst_s"] for x in fulls) if fulls else float("nan")
         wait = f"{r['index_wait_s']:.2f}" if "index_wait_s" in r else "-"
@@ -600,10 +658,12 @@ def main(argv=None) -> int:
         else:
             parts = "- | - | - | - | - | - | - | -"
         lines.append(
-            f"| {r['context']} | {r['variant']} | {r['ttst_s']:.2f} | {ttst_ratio:.2f} | {wait} | {ready} | "
-            f"{r['tpot_ms']:.1f} | {ratio:.2f} | {args.batch / r['tpot_ms'] * 1e3:.1f} | "
+            f"| {r['batch']} | {r['context']} | {r['variant']} | {r['ttst_s']:.2f} | {ttst_ratio:.2f} | {wait} | "
+            f"{ready} | {r['tpot_ms']:.1f} | {ratio:.2f} | {r['batch'] / r['tpot_ms'] * 1e3:.1f} | "
             f"{parts} | {r['device_kv_bytes'] / 2**20:.0f} | {r['host_bytes'] / 2**20:.0f} |"
         )
+    if len(args.batch) > 1 and cuda:
+        lines += ["", *capacity(results, model)]
     table = "\n".join(lines)
     print(table, flush=True)
     # Peak host memory of the whole run (every variant's caches are alive until the end).
