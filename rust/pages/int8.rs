@@ -1,0 +1,82 @@
+//! 8-bit page stores (`page_format="int8"`): K and V rows as int8 codes with one f32 scale per
+//! (head, token) row, `scale = max|x| / 127`, `x ≈ code · scale`.
+//!
+//! A page is `page_size · d` codes, then `page_size` scales (little-endian f32), so that a page
+//! stays one contiguous block (the gather copies pages whole) and its scales stay 4-byte aligned
+//! for the device's view of them. f32 scales rather than f16: they hold the scale of any
+//! bf16/f16/f32 row (f16 overflows past rows of about 8e6 and loses small rows), for 2 bytes a
+//! row more (at d = 64, 68 bytes a row instead of 66; bf16 rows are 128).
+
+/// Bytes of one row's scale.
+pub const SCALE_BYTES: usize = 4;
+
+/// Bytes of one int8 page of `page_size` rows of `dim` values.
+pub fn page_bytes(page_size: usize, dim: usize) -> usize {
+    page_size * (dim + SCALE_BYTES)
+}
+
+/// Quantises one row: writes its codes (`row.len()` bytes, two's complement int8) and returns its
+/// scale. Every element is within `scale / 2` of `code · scale` (computed exactly, in f64; up to
+/// `2^-52` relative rounding of the quotient), and within `2^-140` for rows whose scale is
+/// subnormal (where `127 · scale` can fall short of the row's largest magnitude). A zero row has scale 0 and codes 0. Rows must be
+/// finite (callers check).
+pub fn quantize_row(row: impl ExactSizeIterator<Item = f32> + Clone, codes: &mut [u8]) -> f32 {
+    let absmax = row.clone().fold(0f32, |m, x| m.max(x.abs()));
+    let scale = absmax / 127.0;
+    if scale == 0.0 {
+        codes.fill(0);
+        return 0.0;
+    }
+    // In f64, the quotient is within 2^-52 of exact: the nearest code, up to ties.
+    let s = scale as f64;
+    for (c, x) in codes.iter_mut().zip(row) {
+        *c = ((x as f64 / s).round().clamp(-127.0, 127.0) as i8) as u8;
+    }
+    scale
+}
+
+/// `code · scale` of each code of a row, into `out`.
+pub fn dequantize_row(codes: &[u8], scale: f32, out: &mut [f32]) {
+    for (o, &c) in out.iter_mut().zip(codes) {
+        *o = (c as i8) as f32 * scale;
+    }
+}
+
+/// Row `slot`'s codes and scale bytes of one page of `page_size` rows of `dim`.
+pub fn row_parts(page: &[u8], slot: usize, page_size: usize, dim: usize) -> (&[u8], f32) {
+    let codes = &page[slot * dim..(slot + 1) * dim];
+    let at = page_size * dim + slot * SCALE_BYTES;
+    let scale = f32::from_le_bytes(page[at..at + SCALE_BYTES].try_into().expect("4 bytes"));
+    (codes, scale)
+}
+
+/// Quantises `row` into slot `slot` of `page`.
+pub(crate) fn put_row(page: &mut [u8], slot: usize, row: impl ExactSizeIterator<Item = f32> + Clone, s: usize) {
+    let d = row.len();
+    let scale = quantize_row(row, &mut page[slot * d..(slot + 1) * d]);
+    let at = s * d + slot * SCALE_BYTES;
+    page[at..at + SCALE_BYTES].copy_from_slice(&scale.to_le_bytes());
+}
+
+/// Copies row `from` of `src` (a page) into row `to` of `dst` (another page), codes and scale:
+/// moving a token between pages never quantises it again.
+pub(crate) fn copy_row(src: &[u8], from: usize, dst: &mut [u8], to: usize, s: usize, d: usize) {
+    dst[to * d..(to + 1) * d].copy_from_slice(&src[from * d..(from + 1) * d]);
+    let (a, b) = (s * d + from * SCALE_BYTES, s * d + to * SCALE_BYTES);
+    dst[b..b + SCALE_BYTES].copy_from_slice(&src[a..a + SCALE_BYTES]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_and_scale_of_a_known_row() {
+        let row = [1.0f32, -0.3, 0.0, 0.1, -1.0];
+        let mut codes = [0u8; 5];
+        let s = quantize_row(row.iter().copied(), &mut codes);
+        assert_eq!(s, 1.0 / 127.0);
+        let got: Vec<i8> = codes.iter().map(|&c| c as i8).collect();
+        assert_eq!(got, [127, -38, 0, 13, -127]); // -38.1 and 12.7 to the nearest code
+    }
+}
