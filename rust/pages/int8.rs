@@ -1,11 +1,12 @@
 //! 8-bit page stores (`page_format="int8"`): K and V rows as int8 codes with one f32 scale per
 //! (head, token) row, `scale = max|x| / 127`, `x ≈ code · scale`.
 //!
-//! A page is `page_size · d` codes, then `page_size` scales (little-endian f32), so that a page
-//! stays one contiguous block (the gather copies pages whole) and its scales stay 4-byte aligned
-//! for the device's view of them. f32 scales rather than f16: they hold the scale of any
-//! bf16/f16/f32 row (f16 overflows past rows of about 8e6 and loses small rows), for 2 bytes a
-//! row more (at d = 64, 68 bytes a row instead of 66; bf16 rows are 128).
+//! A page is `page_size · d` codes, then `page_size` scales (native-endian f32, as the device
+//! reads them), so that a page stays one contiguous block (the gather copies pages whole) and its
+//! scales stay 4-byte aligned for the device's view of them. f32 scales rather than f16: they
+//! hold the scale of any bf16/f16/f32 row (an f16 scale overflows past rows of about 8e6 and
+//! loses small rows), for 2 bytes a row more (at d = 64, 68 bytes a row instead of 66; bf16 rows
+//! are 128).
 
 /// Bytes of one row's scale.
 pub const SCALE_BYTES: usize = 4;
@@ -46,7 +47,7 @@ pub fn dequantize_row(codes: &[u8], scale: f32, out: &mut [f32]) {
 pub fn row_parts(page: &[u8], slot: usize, page_size: usize, dim: usize) -> (&[u8], f32) {
     let codes = &page[slot * dim..(slot + 1) * dim];
     let at = page_size * dim + slot * SCALE_BYTES;
-    let scale = f32::from_le_bytes(page[at..at + SCALE_BYTES].try_into().expect("4 bytes"));
+    let scale = f32::from_ne_bytes(page[at..at + SCALE_BYTES].try_into().expect("4 bytes"));
     (codes, scale)
 }
 
@@ -55,7 +56,7 @@ pub(crate) fn put_row(page: &mut [u8], slot: usize, row: impl ExactSizeIterator<
     let d = row.len();
     let scale = quantize_row(row, &mut page[slot * d..(slot + 1) * d]);
     let at = s * d + slot * SCALE_BYTES;
-    page[at..at + SCALE_BYTES].copy_from_slice(&scale.to_le_bytes());
+    page[at..at + SCALE_BYTES].copy_from_slice(&scale.to_ne_bytes());
 }
 
 /// Copies row `from` of `src` (a page) into row `to` of `dst` (another page), codes and scale:
