@@ -37,9 +37,8 @@ SINK, WINDOW, PAGE = 16, 32, 16
 
 def dequantised_middle(k: np.ndarray, v: np.ndarray):
     """``k``, ``v`` ``[H, n, D]`` float32 through the runtime's 8-bit page stores and back."""
-    import torch
-
     import icecache
+    import torch
     from icecache.runtime.pages import PageStore
 
     H, n, D = k.shape
@@ -77,7 +76,6 @@ def rel_l2(a, b) -> float:
 def output_errors(model, docs, queries: int) -> dict:
     """Per document: the relative L2 error of every layer, int8 and bf16 middles."""
     import torch
-
     from icecache.capture import capture_qkv
 
     out = {}
@@ -108,7 +106,6 @@ def output_errors(model, docs, queries: int) -> dict:
 def host_bytes(model, ids) -> dict:
     """``IceCache.nbytes()`` after the prompt and one decode step, per page format."""
     import torch
-
     from icecache.runtime import IceCache, IceCacheConfig
     from icecache.runtime.layer import IceLayer
 
@@ -143,7 +140,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     import torch
-
     from icecache import models, texts
 
     torch.set_num_threads(1)
