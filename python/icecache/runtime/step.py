@@ -82,8 +82,11 @@ class DeviceStep:
         self._masks = staging[layout.mask_at : layout.mask_at + m * S].view(torch.bool).view(m, S)
         rows = staging[layout.rows_at : layout.bytes]
         # int8: [n, 2, page bytes], dequantised per step (only the staged pages when eager).
-        self._int8 = rows.view(n, 2, int8_page_bytes(S, D)) if page_format == "int8" else None
-        self._rows = None if self._int8 is not None else rows.view(dense_kv.dtype).view(n, 2, S * D).transpose(0, 1)
+        self._int8 = page_format == "int8"
+        if self._int8:
+            self._rows = rows.view(n, 2, int8_page_bytes(S, D))
+        else:
+            self._rows = rows.view(dense_kv.dtype).view(n, 2, S * D).transpose(0, 1)
         self._page = (S, D)
         # Until a job's outcome arrives, every entry names the trash slot.
         self._load_idx.fill_(layout.trash)
@@ -124,8 +127,8 @@ class DeviceStep:
         # slot), only the ``staged`` (loads, masks) ones eagerly.
         n, m = staged if staged is not None else (len(self._load_idx), len(self._mask_idx))
         if n:
-            if self._int8 is not None:
-                rows = dequantize_pages(self._int8[:n], *self._page, self._pool_rows.dtype).flatten(-2).transpose(0, 1)
+            if self._int8:
+                rows = dequantize_pages(self._rows[:n], *self._page, self._pool_rows.dtype).flatten(-2).transpose(0, 1)
             else:
                 rows = self._rows[:, :n]
             self._pool_rows.index_copy_(1, self._load_idx[:n], rows)
