@@ -748,7 +748,7 @@ fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()>
                         for (page, row) in [(&mut *kp, k), (&mut *vp, v)] {
                             let row = row_f32(g.elem, row);
                             ensure!(row.iter().all(|x| x.is_finite()), "8-bit pages hold finite values only");
-                            int8::put_row(page, slot, row.into_iter(), g.page_size);
+                            int8::put_row(page, slot, &row, g.page_size);
                         }
                     }
                 }

@@ -10,11 +10,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
-/// The bound of `quantize_row`: `|x - code·scale| <= scale/2` (exact arithmetic, f64 here),
-/// plus `2^-52` relative rounding of the quotient, and `2^-140` absolute for subnormal scales.
+/// The bound of `quantize_row`: `|x - code·scale| <= scale · (1/2 + 2^-14)` (exact arithmetic,
+/// f64 here), and `2^-140` absolute for subnormal scales.
 fn check_bound(row: &[f32]) {
     let mut codes = vec![0u8; row.len()];
-    let scale = quantize_row(row.iter().copied(), &mut codes);
+    let scale = quantize_row(row, &mut codes);
     let absmax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
     assert_eq!(scale, absmax / 127.0);
     let s = scale as f64;
@@ -22,7 +22,7 @@ fn check_bound(row: &[f32]) {
         let c = c as i8;
         assert!(c != i8::MIN, "code -128 is never used (symmetric range)");
         let err = (x as f64 - c as f64 * s).abs();
-        let bound = s / 2.0 * (1.0 + 1e-15) + 2f64.powi(-140);
+        let bound = s * (0.5 + 2f64.powi(-14)) + 2f64.powi(-140);
         assert!(err <= bound, "x {x:e} code {c} scale {scale:e}: error {err:e} > {bound:e}");
     }
     // f32 dequantisation adds at most its own rounding.
@@ -30,7 +30,7 @@ fn check_bound(row: &[f32]) {
     dequantize_row(&codes, scale, &mut back);
     for ((&x, &y), &c) in row.iter().zip(&back).zip(&codes) {
         assert_eq!(y, (c as i8) as f32 * scale);
-        let bound = s / 2.0 * (1.0 + 1e-6) + 2f64.powi(-140) + (y as f64).abs() * f32::EPSILON as f64;
+        let bound = s * (0.5 + 2f64.powi(-14)) + 2f64.powi(-140) + (y as f64).abs() * f32::EPSILON as f64;
         assert!((x as f64 - y as f64).abs() <= bound);
     }
 }
@@ -54,7 +54,7 @@ proptest! {
     #[test]
     fn the_largest_magnitude_gets_code_127(row in prop::collection::vec(-1e6f32..1e6, 1..64)) {
         let mut codes = vec![0u8; row.len()];
-        let scale = quantize_row(row.iter().copied(), &mut codes);
+        let scale = quantize_row(&row, &mut codes);
         let (i, &x) = row.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
         if scale > 0.0 {
             prop_assert_eq!((codes[i] as i8).unsigned_abs(), 127);
@@ -66,7 +66,7 @@ proptest! {
 #[test]
 fn zero_rows_and_extremes() {
     let mut codes = vec![7u8; 5];
-    assert_eq!(quantize_row([0.0f32, -0.0, 0.0, 0.0, 0.0].into_iter(), &mut codes), 0.0);
+    assert_eq!(quantize_row(&[0.0f32, -0.0, 0.0, 0.0, 0.0], &mut codes), 0.0);
     assert!(codes.iter().all(|&c| c == 0));
     for row in [
         vec![f32::MAX, f32::MIN, 0.0, 1.0],
@@ -115,7 +115,8 @@ fn check_int8_store(f: &HeadForest, src: &[bf16], store: &[u8], pages: usize) {
                     Some(&t) => {
                         let row = &src[(h * n + t as usize) * d..(h * n + t as usize + 1) * d];
                         let mut want = vec![0u8; d];
-                        let want_scale = quantize_row(row.iter().map(|x| x.to_f32()), &mut want);
+                        let wide: Vec<f32> = row.iter().map(|x| x.to_f32()).collect();
+                        let want_scale = quantize_row(&wide, &mut want);
                         assert_eq!((codes, scale), (&want[..], want_scale), "head {h} token {t}");
                     }
                     None => assert!(codes.iter().all(|&c| c == 0) && scale == 0.0, "empty slot {slot} of page {p}"),

@@ -16,21 +16,28 @@ pub fn page_bytes(page_size: usize, dim: usize) -> usize {
     page_size * (dim + SCALE_BYTES)
 }
 
-/// Quantises one row: writes its codes (`row.len()` bytes, two's complement int8) and returns its
-/// scale. Every element is within `scale / 2` of `code · scale` (computed exactly, in f64; up to
-/// `2^-52` relative rounding of the quotient), and within `2^-140` for rows whose scale is
-/// subnormal (where `127 · scale` can fall short of the row's largest magnitude). A zero row has scale 0 and codes 0. Rows must be
-/// finite (callers check).
-pub fn quantize_row(row: impl ExactSizeIterator<Item = f32> + Clone, codes: &mut [u8]) -> f32 {
-    let absmax = row.clone().fold(0f32, |m, x| m.max(x.abs()));
-    let scale = absmax / 127.0;
-    if scale == 0.0 {
-        codes.fill(0);
-        return 0.0;
+/// Rows whose largest magnitude is below this are quantised in f64: the vectorised quantiser's
+/// `127 / max|x|` overflows f32 for them.
+const SMALL_ROW: f32 = 1e-30;
+
+/// Quantises one row: writes its codes (the first `row.len()` bytes of `codes`, two's complement
+/// int8) and returns its scale `max|x| / 127`. Codes are `round(x / scale)` in `-127..=127`
+/// (`simd::quantize_i8`, the index's quantiser), so every element is within
+/// `scale · (1/2 + 2^-14)` of `code · scale` (computed exactly; the `2^-14` covers the f32
+/// rounding of `x · (127 / max|x|)`). Rows below `SMALL_ROW` are quantised in f64: within
+/// `scale / 2`, and `2^-140` where the scale is subnormal. A zero row has scale 0 and codes 0.
+/// Rows must be finite (callers check).
+pub fn quantize_row(row: &[f32], codes: &mut [u8]) -> f32 {
+    let codes = &mut codes[..row.len()];
+    // SAFETY: `u8` and `i8` have the same size and alignment, and every bit pattern is valid
+    // for both; the reborrow ends before `codes` is used again.
+    let signed = unsafe { std::slice::from_raw_parts_mut(codes.as_mut_ptr() as *mut i8, codes.len()) };
+    let scale = crate::simd::quantize_i8(row, signed);
+    if scale == 0.0 || scale * 127.0 >= SMALL_ROW {
+        return scale;
     }
-    // In f64, the quotient is within 2^-52 of exact: the nearest code, up to ties.
     let s = scale as f64;
-    for (c, x) in codes.iter_mut().zip(row) {
+    for (c, &x) in codes.iter_mut().zip(row) {
         *c = ((x as f64 / s).round().clamp(-127.0, 127.0) as i8) as u8;
     }
     scale
@@ -52,7 +59,7 @@ pub fn row_parts(page: &[u8], slot: usize, page_size: usize, dim: usize) -> (&[u
 }
 
 /// Quantises `row` into slot `slot` of `page`.
-pub(crate) fn put_row(page: &mut [u8], slot: usize, row: impl ExactSizeIterator<Item = f32> + Clone, s: usize) {
+pub(crate) fn put_row(page: &mut [u8], slot: usize, row: &[f32], s: usize) {
     let d = row.len();
     let scale = quantize_row(row, &mut page[slot * d..(slot + 1) * d]);
     let at = s * d + slot * SCALE_BYTES;
@@ -75,7 +82,7 @@ mod tests {
     fn codes_and_scale_of_a_known_row() {
         let row = [1.0f32, -0.3, 0.0, 0.1, -1.0];
         let mut codes = [0u8; 5];
-        let s = quantize_row(row.iter().copied(), &mut codes);
+        let s = quantize_row(&row, &mut codes);
         assert_eq!(s, 1.0 / 127.0);
         let got: Vec<i8> = codes.iter().map(|&c| c as i8).collect();
         assert_eq!(got, [127, -38, 0, 13, -127]); // -38.1 and 12.7 to the nearest code

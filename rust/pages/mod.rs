@@ -128,7 +128,17 @@ impl<T: Elem> Format<T> for Int8 {
         format!("[{h}, P, {}] bytes", int8::page_bytes(s, d))
     }
     fn put(page: &mut [u8], slot: usize, row: &[T], s: usize) {
-        int8::put_row(page, slot, row.iter().map(|x| x.to_f32()), s);
+        // Widened on the stack (head dims are at most a few hundred).
+        let mut stack = [0f32; 512];
+        let mut heap = Vec::new();
+        let wide = if row.len() <= stack.len() {
+            &mut stack[..row.len()]
+        } else {
+            heap.resize(row.len(), 0.0);
+            &mut heap[..]
+        };
+        wide.iter_mut().zip(row).for_each(|(w, x)| *w = x.to_f32());
+        int8::put_row(page, slot, wide, s);
     }
     fn copy(src: &[u8], from: usize, dst: &mut [u8], to: usize, s: usize, d: usize) {
         int8::copy_row(src, from, dst, to, s, d);
