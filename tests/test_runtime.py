@@ -142,7 +142,10 @@ def check_pool(layer):
         if index.forest is None:
             continue
         store_k, store_v = layer.stores[b].tokens(layer.dtype) if int8 else (layer.stores[b].k, layer.stores[b].v)
-        slot_pages, page_tokens = (layer if layer.leader is None else layer.leader).checked[b]
+        layout = (layer if layer.leader is None else layer.leader).checked[b]
+        if layout is None:  # the leader had no index yet when it applied this step (short prompt)
+            continue
+        slot_pages, page_tokens = layout
         for h, slot in np.ndindex(layer.heads, C):
             page, n = int(slot_pages[h, slot]), int(lens[b, h, slot])
             if page < 0:
@@ -970,9 +973,30 @@ def test_int8_pages_halve_the_host_store_bytes():
     assert per_token["int8"] == 2 * 2 * (16 + 4)
 
 
+def test_int8_pages_of_a_prompt_within_sink_and_window(pool_checks):
+    """A prompt shorter than sink + window: the index and its 8-bit pages start from the first
+    flushed window page, at decode (``_first_pages``), for the leader and a reusing layer."""
+    model = tiny_model("llama")
+    ids = prompt_ids(20, seed=7)
+    full = run_steps(model, ids, DynamicCache(config=model.config), 40)
+    cfg = IceCacheConfig(budget=512, full_layers=0, reuse=2, page_format="int8")
+    cache = IceCache(cfg, model)
+    ice = run_steps(model, ids, cache, 40)
+    torch.testing.assert_close(ice, full, rtol=0, atol=0.05)
+    assert all(len(layer.indexes[0].forest) > 0 for layer in ice_layers(cache)[::2])
+    assert sum(pool_checks) > 0
+
+
 def test_int8_page_format_is_validated():
     with pytest.raises(ValueError, match="page_format must be one of"):
         IceCacheConfig(page_format="fp8")
+    shape = dict(batch=1, kv_heads=2, dim=16, page_size=16, itemsize=4, max_pages=4, capacity=8)
+    with pytest.raises(ValueError, match="page_format"):
+        icecache._core.LookAheadLayer.staging_layout(**shape, page_format="fp8")
+    native = icecache._core.LookAheadLayer.staging_layout(**shape)
+    int8 = icecache._core.LookAheadLayer.staging_layout(**shape, page_format="int8")
+    assert int8.rows_at == native.rows_at
+    assert (int8.bytes - int8.rows_at, native.bytes - native.rows_at) == (2 * 2 * 4 * 16 * 20, 2 * 2 * 4 * 16 * 16 * 4)
     k = np.zeros((2, 1, 16 * 20), np.uint8)
     forest = icecache.HeadForest(np.random.default_rng(0).standard_normal((2, 40, 16)).astype(np.float32), page_size=16)
     with pytest.raises(ValueError, match="k_store"):
