@@ -42,7 +42,8 @@ Variants: ``full`` DynamicCache + SDPA, ``fullfi`` DynamicCache + FlashInfer sin
 decode (needs FlashInfer; batch 1), ``ice`` IceCache (look-ahead), ``ice3`` IceCache with
 reuse 3, ``ice-wait`` IceCache whose first decode step waits for the index
 (``exact_until_indexed=False``), ``ice-r2`` IceCache selecting a new superset every second step, ``ice-fixed`` and
-``ice-adaptive`` IceCache with that ``budget_mode``, ``ice-auto`` IceCache with
+``ice-adaptive`` IceCache with that ``budget_mode``, ``ice-int8`` IceCache with 8-bit host
+pages (``page_format="int8"``), ``ice-auto`` IceCache with
 ``effort="auto"`` (each layer's index calibrated on the prompt's last queries), ``fresh`` IceCache
 with fresh selection (every layer step waits for the host: the
 synchronous reference). Look-ahead never waits for the host within a step, so a "correction
@@ -453,6 +454,7 @@ def main(argv=None) -> int:
             "ice-fixed": ("IceCache budget_mode=fixed", lambda: make_ice(1, budget_mode="fixed")),
             "ice-adaptive": ("IceCache budget_mode=adaptive", lambda: make_ice(1, budget_mode="adaptive")),
             "ice-auto": ("IceCache effort=auto", lambda: make_ice(1, effort="auto")),
+            "ice-int8": ("IceCache page_format=int8", lambda: make_ice(1, page_format="int8")),
         }
         for v in args.variants:  # ice-tN: IceCache whose index uses N threads
             if v.startswith("ice-t") and v[5:].isdigit():

@@ -25,12 +25,12 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use half::f16;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::{ensure, Error, Result};
 use crate::load::{LoadPlan, ResidentPages};
-use crate::pages::HeadForest;
+use crate::pages::{int8, HeadForest, PageFormat};
 use crate::select::SelectParams;
 
 /// Alignment of the page rows after the metadata in a staging buffer, in bytes.
@@ -142,16 +142,20 @@ pub struct Geometry {
     pub query_heads: usize,
     pub dim: usize,
     pub page_size: usize,
+    /// Element type of the tokens (flushed, histories; and the stores' in `PageFormat::Native`).
     pub elem: Elem,
+    pub format: PageFormat,
 }
 
 impl Geometry {
+    /// Bytes of one token row of a flush or history.
     fn row_bytes(&self) -> usize {
         self.dim * self.elem.size()
     }
 
-    fn page_bytes(&self) -> usize {
-        self.page_size * self.row_bytes()
+    /// Bytes of one page of K (or V) in the stores and in staging.
+    pub fn page_bytes(&self) -> usize {
+        self.format.page_bytes(self.page_size, self.dim, self.elem.size())
     }
 }
 
@@ -169,7 +173,7 @@ pub struct LeaderLane {
     /// nothing to select, and nothing may be flushed into it.
     pub forest: Option<Arc<RwLock<HeadForest>>>,
     pub resident: Arc<RwLock<ResidentPages>>,
-    /// `[H_kv, P, page_size, d]` page stores.
+    /// Page stores, `[H_kv, P]` pages of `Geometry::page_bytes`.
     pub k_store: HostBuf,
     pub v_store: HostBuf,
     pub flush: Option<Flush>,
@@ -177,7 +181,7 @@ pub struct LeaderLane {
 
 /// One sequence of a layer that reuses its leader's page layout.
 pub struct FollowerLane {
-    /// `[H_kv, P, page_size, d]` page stores, laid out as the leader's.
+    /// Page stores, laid out as the leader's.
     pub k_store: HostBuf,
     pub v_store: HostBuf,
     /// `[H_kv, capacity, d]` keys and values of the offloaded tokens in position order.
@@ -244,7 +248,8 @@ struct LanePlan {
 /// - from `table_at`: int32 `table [B·H_kv·width]`, the device slot of each selected page in
 ///   rank order (-1 past the head's count), then int32 `table_len`, its valid tokens;
 /// - from `mask_at`: `[max_masks, page_size]` bytes, 1 where the slot holds a token;
-/// - from `rows_at`: `[loads, 2, page_size, d]`, each loaded page's K then V rows, up to `end`
+/// - from `rows_at`: `[loads, 2, page_bytes]`, each loaded page's K then V page as the stores
+///   hold it (`[page_size, d]` elements, or int8 codes and scales: `pages::int8`), up to `end`
 ///   (the used prefix of the buffer).
 #[derive(Debug, Default)]
 pub struct Outcome {
@@ -658,7 +663,14 @@ fn insert_flush(
                 flush.tokens,
                 g.dim
             );
-            forest.insert(k, v, k_store.slice_mut::<$t>("k_store")?, v_store.slice_mut::<$t>("v_store")?)
+            match g.format {
+                PageFormat::Native => {
+                    forest.insert(k, v, k_store.slice_mut::<$t>("k_store")?, v_store.slice_mut::<$t>("v_store")?)
+                }
+                PageFormat::Int8 => {
+                    forest.insert_int8(k, v, k_store.slice_mut::<u8>("k_store")?, v_store.slice_mut::<u8>("v_store")?)
+                }
+            }
         }};
     }
     match g.elem {
@@ -669,7 +681,8 @@ fn insert_flush(
 }
 
 /// A follower sequence: appends the flush to its history and rewrites the pages its leader's
-/// insert changed, from the history (as bytes: every element type alike).
+/// insert changed, from the history (as bytes: every element type alike; 8-bit pages quantise
+/// the rows).
 fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()> {
     let rb = g.row_bytes();
     let hk = lane.k_history.slice_mut::<u8>("k_history")?;
@@ -710,10 +723,8 @@ fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()>
     let pb = g.page_bytes();
     ensure!(
         ks.len() == vs.len() && ks.len() % (g.heads * pb) == 0,
-        "stores must both be [{}, P, {}, {}]",
-        g.heads,
-        g.page_size,
-        g.dim
+        "stores must both be [{}, P] pages of {pb} bytes",
+        g.heads
     );
     let p = ks.len() / (g.heads * pb);
     for (head, pages) in lead.changed.iter().enumerate() {
@@ -723,15 +734,39 @@ fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()>
             let (kp, vp) = (&mut ks[at..at + pb], &mut vs[at..at + pb]);
             kp.fill(0);
             vp.fill(0);
+            ensure!(tokens.len() <= g.page_size, "page {page} holds more than {} tokens", g.page_size);
             for (slot, &t) in tokens.iter().enumerate() {
                 ensure!((t as usize) < lane.history_len, "token {t} is not in the history ({})", lane.history_len);
                 let src = (head * cap + t as usize) * rb;
-                kp[slot * rb..(slot + 1) * rb].copy_from_slice(&hk[src..src + rb]);
-                vp[slot * rb..(slot + 1) * rb].copy_from_slice(&hv[src..src + rb]);
+                let (k, v) = (&hk[src..src + rb], &hv[src..src + rb]);
+                match g.format {
+                    PageFormat::Native => {
+                        kp[slot * rb..(slot + 1) * rb].copy_from_slice(k);
+                        vp[slot * rb..(slot + 1) * rb].copy_from_slice(v);
+                    }
+                    PageFormat::Int8 => {
+                        for (page, row) in [(&mut *kp, k), (&mut *vp, v)] {
+                            let row = row_f32(g.elem, row);
+                            ensure!(row.iter().all(|x| x.is_finite()), "8-bit pages hold finite values only");
+                            int8::put_row(page, slot, &row, g.page_size);
+                        }
+                    }
+                }
             }
         }
     }
     Ok(())
+}
+
+/// A history row's bytes as f32 values.
+fn row_f32(elem: Elem, bytes: &[u8]) -> Vec<f32> {
+    match elem {
+        Elem::F32 => bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Elem::F16 => bytes.chunks_exact(2).map(|b| f16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32()).collect(),
+        Elem::Bf16 => {
+            bytes.chunks_exact(2).map(|b| bf16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32()).collect()
+        }
+    }
 }
 
 /// Writes the metadata and gathers every lane's loaded pages into the staging buffer (layout
@@ -778,7 +813,7 @@ fn write_staging(g: &Geometry, out: &mut Outcome, stores: &[(HostBuf, HostBuf)],
     let mut sources = Vec::with_capacity(n);
     for (l, (ks, vs)) in lanes.iter().zip(stores) {
         let (ks, vs) = (ks.slice::<u8>("k_store")?, vs.slice::<u8>("v_store")?);
-        ensure!(ks.len() == vs.len() && ks.len() % (h * pb) == 0, "stores must be [{h}, P, {s}, {}]", g.dim);
+        ensure!(ks.len() == vs.len() && ks.len() % (h * pb) == 0, "stores must be [{h}, P] pages of {pb} bytes");
         let p = ks.len() / (h * pb);
         for (&hd, &pg) in l.plan.heads.iter().zip(&l.plan.pages) {
             ensure!((pg as usize) < p, "page {pg} out of range (stores hold {p})");

@@ -7,6 +7,7 @@ use std::time::Duration;
 use icecache::lookahead::{
     Elem, Flush, FollowerLane, Geometry, HostBuf, Job, LeaderLane, LookAhead, Outcome, Ready, StagingLayout, Work,
 };
+use icecache::pages::{int8, PageFormat};
 use icecache::{Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -28,7 +29,7 @@ fn buf<T>(v: &mut [T]) -> HostBuf {
 }
 
 fn geometry() -> Geometry {
-    Geometry { heads: H, query_heads: H * G, dim: D, page_size: S, elem: Elem::F32 }
+    Geometry { heads: H, query_heads: H * G, dim: D, page_size: S, elem: Elem::F32, format: PageFormat::Native }
 }
 
 /// A leader over `n` tokens per head (`[H, n, D]` keys = values), with stores of `p` pages.
@@ -317,4 +318,110 @@ fn bad_jobs_fail_at_submit() {
     // Too small a staging buffer fails when the job runs, not by writing past it.
     let err = worker.run(leader_job(&mut l, &mut q, &mut staging, None, 4)).unwrap_err().to_string();
     assert!(err.contains("staging"), "{err}");
+}
+
+/// 8-bit pages: the leader's job inserts (quantising, splits keep codes), a follower with the
+/// same keys rewrites its changed pages from its history to the same bytes, and both stage the
+/// store's int8 pages (codes and scales) of their plan.
+#[test]
+fn int8_leader_and_follower_stage_quantised_pages() {
+    let n = 300;
+    let g = Geometry { format: PageFormat::Int8, ..geometry() };
+    let pb = int8::page_bytes(S, D);
+    assert_eq!(g.page_bytes(), pb);
+    let keys = rows(H * n, 1);
+    let mut cfg = Config::new(D, Metric::InnerProduct);
+    cfg.seed = Some(5);
+    cfg.promotion = vec![0.05, 0.2];
+    let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S).unwrap();
+    let p = 200;
+    let (mut ks, mut vs) = (vec![0u8; H * p * pb], vec![0u8; H * p * pb]);
+    f.write_pages_int8(&keys, &keys, &mut ks, &mut vs).unwrap();
+    let forest = Arc::new(RwLock::new(f));
+    let resident = Arc::new(RwLock::new(ResidentPages::new(H, 40).unwrap()));
+    let cap = n + 64;
+    let mut hk = vec![0f32; H * cap * D];
+    for h in 0..H {
+        hk[h * cap * D..(h * cap + n) * D].copy_from_slice(&keys[h * n * D..(h + 1) * n * D]);
+    }
+    let mut hv = hk.clone();
+    let (mut fk, mut fv) = (ks.clone(), vs.clone());
+    let worker = LookAhead::new(Some(2)).unwrap();
+    let width = 40;
+    let mut q = rows(H * G, 4);
+    let mut new_k = rows(H * S, 77);
+    let mut new_v = new_k.clone();
+    let (mut fnk, mut fnv) = (new_k.clone(), new_v.clone());
+    let bytes = StagingLayout::new(&g, 1, width, 40).bytes;
+    let (mut ls, mut fs) = (vec![0u8; bytes], vec![0u8; bytes]);
+    let lead = worker
+        .submit(Job {
+            geometry: g,
+            ready: None,
+            staging: buf(&mut ls),
+            work: Work::Leader {
+                lanes: vec![LeaderLane {
+                    forest: Some(forest.clone()),
+                    resident: resident.clone(),
+                    k_store: buf(&mut ks),
+                    v_store: buf(&mut vs),
+                    flush: Some(Flush { keys: buf(&mut new_k), values: buf(&mut new_v), tokens: S }),
+                }],
+                queries: buf(&mut q),
+                select: SelectParams { max_pages: width, scale: 0.25, effort: Some(1.0), exact: false, successors: 0 },
+                reselect: true,
+            },
+            keep_alive: Box::new(()),
+        })
+        .unwrap();
+    let job = Job {
+        geometry: g,
+        ready: None,
+        staging: buf(&mut fs),
+        work: Work::Follower {
+            lanes: vec![FollowerLane {
+                k_store: buf(&mut fk),
+                v_store: buf(&mut fv),
+                k_history: buf(&mut hk),
+                v_history: buf(&mut hv),
+                history_len: n + S,
+                flush: Some(Flush { keys: buf(&mut fnk), values: buf(&mut fnv), tokens: S }),
+            }],
+            leader: lead.clone(),
+        },
+        keep_alive: Box::new(()),
+    };
+    let fo = worker.submit(job).unwrap().wait().unwrap();
+    let lo = lead.wait().unwrap();
+    assert!(lo.loads > 0);
+    assert_eq!(lo.end, StagingLayout::new(&g, 1, width, 40).rows_at + 2 * lo.loads * pb);
+    assert!(fk == ks && fv == vs, "the follower's 8-bit pages differ from the leader's");
+    assert_eq!(fs[..fo.end], ls[..lo.end], "same keys, same plan: same staging");
+    // Each staged page is a page of the store, and its rows dequantise near the tokens' keys.
+    let f = forest.read().unwrap();
+    let all = [&keys[..], &rows(H * S, 77)[..]];
+    let key_of = |h: usize, t: usize| -> &[f32] {
+        if t < n {
+            &all[0][(h * n + t) * D..(h * n + t + 1) * D]
+        } else {
+            &all[1][(h * S + t - n) * D..(h * S + t - n + 1) * D]
+        }
+    };
+    let rows_at = StagingLayout::new(&g, 1, width, 40).rows_at;
+    for i in 0..lo.loads {
+        let staged = &ls[rows_at + 2 * i * pb..rows_at + (2 * i + 1) * pb];
+        assert_eq!(staged, &ls[rows_at + (2 * i + 1) * pb..rows_at + (2 * i + 2) * pb], "K = V here");
+        let (head, page) = (0..H)
+            .flat_map(|h| (0..f.num_pages(h).unwrap()).map(move |pg| (h, pg)))
+            .find(|&(h, pg)| &ks[(h * p + pg) * pb..(h * p + pg + 1) * pb] == staged)
+            .expect("a staged page is a page of the store");
+        for (slot, &t) in f.page_tokens(head, page).unwrap().iter().enumerate() {
+            let (codes, scale) = int8::row_parts(staged, slot, S, D);
+            let mut back = vec![0f32; D];
+            int8::dequantize_row(codes, scale, &mut back);
+            for (x, y) in key_of(head, t as usize).iter().zip(&back) {
+                assert!((x - y).abs() <= scale * 0.5001, "token {t}: {x} vs {y} (scale {scale})");
+            }
+        }
+    }
 }

@@ -125,7 +125,9 @@ def check_pool(layer):
     page the residency map puts there, as in the CPU store (so no stale copy survived an
     insert), and empty slots are masked out. A reusing layer's pool mirrors its leader's as the
     leader applied the same step's plan (the map may have moved on since: the leader's next job
-    may have run). Returns how many pages were compared."""
+    may have run). With 8-bit pages the pool holds the store's pages dequantised, and a reusing
+    layer's pages quantise its own keys (:func:`check_quantised`). Returns how many pages were
+    compared."""
     cfg = layer.runtime.config
     C = cfg.device_pages
     indexes = layer.indexes if layer.leader is None else layer.leader.indexes
@@ -135,10 +137,15 @@ def check_pool(layer):
     else:
         assert torch.equal(layer.pool_valid, layer.leader.pool_valid)
     checked = 0
+    int8 = cfg.page_format == "int8"
     for b, index in enumerate(indexes):
         if index.forest is None:
             continue
-        slot_pages, page_tokens = (layer if layer.leader is None else layer.leader).checked[b]
+        store_k, store_v = layer.stores[b].tokens(layer.dtype) if int8 else (layer.stores[b].k, layer.stores[b].v)
+        layout = (layer if layer.leader is None else layer.leader).checked[b]
+        if layout is None:  # the leader had no index yet when it applied this step (short prompt)
+            continue
+        slot_pages, page_tokens = layout
         for h, slot in np.ndindex(layer.heads, C):
             page, n = int(slot_pages[h, slot]), int(lens[b, h, slot])
             if page < 0:
@@ -146,14 +153,27 @@ def check_pool(layer):
                 continue
             tokens = page_tokens[h, page]
             assert n == len(tokens), f"slot {slot} holds {n} tokens of page {page}, which has {len(tokens)}"
-            assert torch.equal(layer.pool_k[b, h, slot, :n].cpu(), layer.stores[b].k[h, page, :n])
-            assert torch.equal(layer.pool_v[b, h, slot, :n].cpu(), layer.stores[b].v[h, page, :n])
+            assert torch.equal(layer.pool_k[b, h, slot, :n].cpu(), store_k[h, page, :n])
+            assert torch.equal(layer.pool_v[b, h, slot, :n].cpu(), store_v[h, page, :n])
             if layer.leader is not None:  # a reusing layer's store: its own keys, the leader's layout
                 t = torch.from_numpy(tokens.astype(np.int64))
-                assert torch.equal(layer.stores[b].k[h, page, :n], layer.histories[b].k[h, t])
-                assert torch.equal(layer.stores[b].v[h, page, :n], layer.histories[b].v[h, t])
+                for store, hist in ((store_k, layer.histories[b].k), (store_v, layer.histories[b].v)):
+                    if int8:
+                        check_quantised(store[h, page, :n], hist[h, t])
+                    else:
+                        assert torch.equal(store[h, page, :n], hist[h, t])
             checked += 1
     return checked
+
+
+def check_quantised(got, rows):
+    """``got`` (dequantised 8-bit rows, in the rows' dtype) is each row of ``rows`` within half a
+    quantisation step (scale ``max |x| / 127``), up to the rounding of the dequantised value."""
+    rows32 = rows.float()
+    scale = rows32.abs().amax(-1, keepdim=True) / 127
+    err = (got.float() - rows32).abs()
+    tol = scale / 2 * (1 + 1e-6) + got.float().abs() * torch.finfo(got.dtype).eps
+    assert bool((err <= tol).all()), f"error {float((err - tol).max()):.3g} past the bound"
 
 
 def _layout(index):
@@ -648,14 +668,15 @@ def _held_bridge_run(model, ids, mask, cfg, bridged_steps, steps):
     return logits, cache, bridging
 
 
-@pytest.mark.parametrize("reuse", [1, 2])
-def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse):
+@pytest.mark.parametrize("reuse, page_format", [(1, "native"), (2, "native"), (2, "int8")])
+def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse, page_format):
     """``exact_until_indexed``: while the index worker is held, decode steps attend each
     layer's whole cache, exactly as the full cache; at the first step after the index is
     ready, the tokens decoded meanwhile join the index (inserted, or for a sequence whose
     prompt fit in sink and window, the first build) and the window, and retrieval goes on
     exactly (the budget covers the context). Batch of two with left padding, one of them
-    too short for a middle; with layer reuse the followers rewrite their pages."""
+    too short for a middle; with layer reuse the followers rewrite their pages; with 8-bit
+    pages the stores hold each token quantised (within half a step of its row's scale)."""
     model = tiny_model("llama")
     a, b = prompt_ids(300, seed=13), prompt_ids(40, seed=14)
     ids = torch.zeros(2, 300, dtype=torch.long)
@@ -664,10 +685,18 @@ def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse):
     ids[1, 260:], mask[1, 260:] = b[0], 1
     full_cache = DynamicCache(config=model.config)
     full = run_steps(model, ids, full_cache, 60, attention_mask=mask)
-    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=reuse)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=reuse, page_format=page_format)
     held = 37
     ice, cache, bridging = _held_bridge_run(model, ids, mask, cfg, held, 60)
-    torch.testing.assert_close(ice, full, rtol=1e-5, atol=1e-5)
+    bridged = held + 2  # the prompt's logits, then the bridged steps'
+    torch.testing.assert_close(ice[:, :bridged], full[:, :bridged], rtol=1e-5, atol=1e-5)
+    if page_format == "native":
+        torch.testing.assert_close(ice, full, rtol=1e-5, atol=1e-5)
+    else:  # close until the greedy tokens part (a near tie can flip), never while bridged
+        parted = (ice.argmax(-1) != full.argmax(-1)).any(0).nonzero()
+        upto = int(parted[0]) + 1 if len(parted) else ice.shape[1]
+        assert upto > bridged
+        torch.testing.assert_close(ice[:, :upto], full[:, :upto], rtol=0, atol=0.05)
     layers = ice_layers(cache)
     # The step after the release hands the backlog (the prompt's window and 37 tokens, less a
     # window) to the worker and bridges on; the next one leaves the bridge.
@@ -675,17 +704,22 @@ def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse):
     assert cache.stats.bridged_steps == (held + 1) * len(layers)
     for layer in layers:
         layer.jobs.wait()  # the look-ahead job of the next step has inserted too
-        keys = full_cache.layers[layer.layer_idx].keys  # [B, H, T, D], every token but the last
+        keys = full_cache.layers[layer.layer_idx].keys  # [B, H, T, D], every token
         indexes = layer.indexes if layer.leader is None else layer.leader.indexes
         for seq, index in enumerate(indexes):
             real = keys[seq][:, mask[seq].bool().tolist() + [True] * (keys.shape[2] - mask.shape[1])]
             n = real.shape[1]
             s = layer.sink_len[seq]
             assert s + len(index.forest) + layer.win_len[seq] - layer._in_job[seq] == n
+            stored_k = layer.stores[seq].tokens(keys.dtype)[0]
             for h in range(layer.heads):  # the stores hold each offloaded token in its page
                 page, slot = (torch.from_numpy(x).long() for x in index.forest.token_map(h))
-                stored = layer.stores[seq].k[h, page, slot]
-                torch.testing.assert_close(stored, real[h, s : s + len(page)], rtol=0, atol=0)
+                stored, want = stored_k[h, page, slot], real[h, s : s + len(page)]
+                if page_format == "native":
+                    torch.testing.assert_close(stored, want, rtol=0, atol=0)
+                else:
+                    step = want.abs().amax(-1, keepdim=True) / 127
+                    assert ((stored - want).abs() <= step * 0.5001 + 1e-7).all()
 
 
 def test_bridge_leaves_when_the_index_is_ready_without_waiting():
@@ -921,6 +955,171 @@ def test_demo_chunked_prefill_matches_one_forward():
 
 
 # --------------------------------------------------------------------------- real model
+
+
+# --------------------------------------------------------------------------- 8-bit pages
+
+
+def _dequantised_reference(layer, q, out):
+    """The layer's step output ``out`` ``[B, H_q, D]`` against a naive attention of ``q`` over
+    every token the layer holds: its valid sink and window tokens, and every offloaded token as
+    the 8-bit CPU stores hold it, dequantised (the budget covers the context here)."""
+    B, Hq, D = q.shape
+    H, scale = layer.heads, layer._step._scale
+    indexes = layer.indexes if layer.leader is None else layer.leader.indexes
+    for b in range(B):
+        keys = [layer.dense_kv[0, b].float()]
+        vals = [layer.dense_kv[1, b].float()]
+        valid = [layer.dense_valid[b]]
+        forest = indexes[b].forest
+        if forest is not None:
+            k, v = layer.stores[b].tokens(layer.dtype)
+            ks, vs = [], []
+            for h in range(H):
+                page, slot = (torch.from_numpy(a).long() for a in forest.token_map(h))
+                ks.append(k[h, page, slot])
+                vs.append(v[h, page, slot])
+            keys.append(torch.stack(ks).float())
+            vals.append(torch.stack(vs).float())
+            valid.append(torch.ones(H, len(forest), dtype=torch.bool))
+        kk, vv, ok = torch.cat(keys, 1), torch.cat(vals, 1), torch.cat(valid, 1)
+        qg = q[b].float().view(H, Hq // H, D)
+        logits = torch.einsum("hgd,htd->hgt", qg, kk) * scale
+        attn = torch.softmax(logits.masked_fill(~ok[:, None], float("-inf")), dim=-1)
+        want = torch.einsum("hgt,htd->hgd", attn, vv).reshape(Hq, D)
+        torch.testing.assert_close(out[b].float(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reuse, lookahead", [(1, True), (1, False), (2, True)])
+def test_int8_pages_attend_exactly_the_dequantised_tokens(reuse, lookahead, pool_checks, monkeypatch):
+    """8-bit pages with the budget covering the context: at every decode step each layer's output
+    equals a naive attention over its sink and window and every offloaded token dequantised from
+    the stores; the pools hold the stores' pages dequantised (followers' pages quantise their own
+    keys); and the logits stay close to the full cache's (int8 noise: within 0.05 of logits of
+    about unit scale on this random model, where a wrong token would move them by far more)."""
+    model = tiny_model("llama")
+    ids = prompt_ids(300, seed=21)
+    full = run_steps(model, ids, DynamicCache(config=model.config), 40)
+    step_call, compared = DeviceStep.__call__, []
+
+    def checked_step(self, query, key, value, *args, **kwargs):
+        out, res = step_call(self, query, key, value, *args, **kwargs)
+        layer = next(x for x in ice_layers(cache) if x._step is self)
+        # A reusing layer runs after its leader started the next job, whose inserts it has not
+        # applied yet: only leaders' indexes describe what their layer holds now.
+        if layer.leader is None:
+            _dequantised_reference(layer, query, out)
+            compared.append(layer.layer_idx)
+        return out, res
+
+    monkeypatch.setattr(DeviceStep, "__call__", checked_step)
+    cfg = IceCacheConfig(
+        budget=1024, full_layers=1, reuse=reuse, lookahead=lookahead, page_format="int8", exact_until_indexed=False
+    )
+    cache = IceCache(cfg, model)
+    ice = run_steps(model, ids, cache, 40)
+    layers = ice_layers(cache)
+    assert len(compared) == 40 * len(layers[::reuse]) and len(pool_checks) == 40 * len(layers)
+    assert sum(pool_checks) > 0
+    assert all(s.k.dtype == torch.uint8 for layer in layers for s in layer.stores)
+    torch.testing.assert_close(ice, full, rtol=0, atol=0.05)
+    assert not torch.equal(ice, full), "8-bit pages changed nothing: were they used?"
+    for layer in layers:
+        layer.jobs.wait()
+        index = (layer.indexes if layer.leader is None else layer.leader.indexes)[0]
+        assert layer.sink_len[0] + len(index.forest) + layer.win_len[0] - layer._in_job[0] == 340
+        assert len(index.forest) > 300 - 48, "no window page was inserted"
+
+
+def test_int8_pages_long_generation_inserts_evicts_and_reloads(pool_checks):
+    """Small budget and pool with 8-bit pages and layer reuse: loads, evictions, inserts with
+    page splits and reloads; whenever a layer applies a job, its pool holds the dequantised
+    pages the residency map says, and reusing layers' pages quantise their own keys."""
+    model = tiny_model("llama")
+    cfg = IceCacheConfig(
+        budget=96,
+        full_layers=1,
+        reuse=2,
+        superset_pages=12,
+        pool_pages=16,
+        page_format="int8",
+        exact_until_indexed=False,
+    )
+    cache = IceCache(cfg, model, track_recall=True)
+    steps = 96
+    run_steps(model, prompt_ids(400, seed=3), cache, steps)
+    layers = ice_layers(cache)
+    assert len(pool_checks) == steps * len(layers) and min(pool_checks[len(layers) :]) > 0
+    assert cache.stats.pages_loaded > cfg.device_pages * 2 * len(layers)
+    assert 0 < cache.stats.recall <= 1
+
+
+def test_int8_pages_batch_with_left_padding_matches_each_prompt_alone():
+    model = tiny_model("qwen2")
+    a, b = prompt_ids(300, seed=4), prompt_ids(170, seed=5)
+    ids = torch.zeros(2, 300, dtype=torch.long)
+    mask = torch.zeros(2, 300, dtype=torch.long)
+    ids[0], mask[0] = a[0], 1
+    ids[1, 130:], mask[1, 130:] = b[0], 1
+    cfg = IceCacheConfig(budget=96, full_layers=1, page_format="int8", exact_until_indexed=False)
+    batch = run_steps(model, ids, IceCache(cfg, model), 40, attention_mask=mask)
+    alone_a = run_steps(model, a, IceCache(cfg, model), 40)
+    alone_b = run_steps(model, b, IceCache(cfg, model), 40)
+    torch.testing.assert_close(batch[0], alone_a[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(batch[1], alone_b[0], rtol=1e-4, atol=1e-4)
+
+
+def test_int8_pages_halve_the_host_store_bytes():
+    """Host bytes of the page stores per offloaded token: int8 codes and a float32 scale per
+    row, against the model's float32 rows here ((D + 4) / (4 D) at D = 16)."""
+    model = tiny_model("llama")
+    ids = prompt_ids(600, seed=8)
+    per_token = {}
+    for fmt in ("native", "int8"):
+        cache = IceCache(IceCacheConfig(budget=96, full_layers=1, page_format=fmt), model)
+        run_steps(model, ids, cache, 2)
+        layers = ice_layers(cache)
+        stores = sum(s.k.numel() * s.k.element_size() * 2 for layer in layers for s in layer.stores)
+        pages = sum(s.pages for layer in layers for s in layer.stores)
+        per_token[fmt] = stores / (pages * 16)
+    assert per_token["native"] == 2 * 2 * 16 * 4  # K and V, 2 KV heads, D = 16, float32
+    assert per_token["int8"] == 2 * 2 * (16 + 4)
+
+
+def test_int8_pages_of_a_prompt_within_sink_and_window(pool_checks):
+    """A prompt shorter than sink + window: the index and its 8-bit pages start from the first
+    flushed window page, at decode (``_first_pages``), for the leader and a reusing layer."""
+    model = tiny_model("llama")
+    ids = prompt_ids(20, seed=7)
+    full = run_steps(model, ids, DynamicCache(config=model.config), 40)
+    cfg = IceCacheConfig(budget=512, full_layers=0, reuse=2, page_format="int8")
+    cache = IceCache(cfg, model)
+    ice = run_steps(model, ids, cache, 40)
+    torch.testing.assert_close(ice, full, rtol=0, atol=0.05)
+    assert all(len(layer.indexes[0].forest) > 0 for layer in ice_layers(cache)[::2])
+    assert sum(pool_checks) > 0
+
+
+def test_int8_page_format_is_validated():
+    with pytest.raises(ValueError, match="page_format must be one of"):
+        IceCacheConfig(page_format="fp8")
+    shape = dict(batch=1, kv_heads=2, dim=16, page_size=16, itemsize=4, max_pages=4, capacity=8)
+    with pytest.raises(ValueError, match="page_format"):
+        icecache._core.LookAheadLayer.staging_layout(**shape, page_format="fp8")
+    native = icecache._core.LookAheadLayer.staging_layout(**shape)
+    int8 = icecache._core.LookAheadLayer.staging_layout(**shape, page_format="int8")
+    assert int8.rows_at == native.rows_at
+    assert (int8.bytes - int8.rows_at, native.bytes - native.rows_at) == (2 * 2 * 4 * 16 * 20, 2 * 2 * 4 * 16 * 16 * 4)
+    k = np.zeros((2, 1, 16 * 20), np.uint8)
+    forest = icecache.HeadForest(np.random.default_rng(0).standard_normal((2, 40, 16)).astype(np.float32), page_size=16)
+    with pytest.raises(ValueError, match="k_store"):
+        forest.write_pages(np.zeros((2, 40, 16), np.float32), np.zeros((2, 40, 16), np.float32), k, k.copy())
+    bad = np.zeros((2, 40, 16), np.float32)
+    bad[0, 3, 2] = np.inf
+    stores = np.zeros((2, 8, 16 * 20), np.uint8), np.zeros((2, 8, 16 * 20), np.uint8)
+    with pytest.raises(ValueError, match="finite"):
+        forest.write_pages(np.zeros((2, 40, 16), np.float32), bad, *stores)
+    assert not stores[0].any() and not stores[1].any()
 
 
 @pytest.fixture(scope="module")

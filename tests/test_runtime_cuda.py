@@ -129,3 +129,42 @@ def test_cuda_bridge_is_exact_then_hands_over(dtype):
         torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
     else:  # bf16 rounding differs between kernels; the predictions must still agree
         assert (ice.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("reuse", [1, 2])
+def test_cuda_int8_pages_dequantise_on_the_device(reuse, pool_checks):  # noqa: F811
+    """8-bit pages through pinned staging: the device dequantises each loaded page into its bf16
+    pool exactly as the CPU reads the store (``PageStore.tokens``), also from CUDA graphs."""
+    model = tiny_model("llama").cuda().to(torch.bfloat16)
+    ids, mask = _padded_batch()
+    cfg = IceCacheConfig(
+        budget=96,
+        full_layers=1,
+        reuse=reuse,
+        superset_pages=12,
+        pool_pages=16,
+        page_format="int8",
+        exact_until_indexed=False,  # pages move from the first step
+    )
+    cache = IceCache(cfg, model)
+    logits = run_steps(model, ids, cache, 100, attention_mask=mask)
+    torch.cuda.synchronize()
+    assert torch.isfinite(logits).all()
+    layers = ice_layers(cache)
+    assert all(bool(layer._step._graphs) for layer in layers)
+    assert all(s.k.dtype == torch.uint8 for layer in layers for s in layer.stores)
+    assert cache.stats.pages_loaded > 0 and sum(pool_checks) > 0
+
+
+def test_cuda_int8_pages_graphs_decode_like_the_eager_path():
+    """With 8-bit pages (dequantised inside the graphs), CUDA graphs give the eager result."""
+    model = tiny_model("llama").cuda()
+    ids, mask = _padded_batch()
+    cfg = dict(
+        budget=96, full_layers=1, superset_pages=12, pool_pages=16, page_format="int8", exact_until_indexed=False
+    )
+    runs = [
+        run_steps(model, ids, IceCache(IceCacheConfig(**cfg, cuda_graphs=graphs), model), 40, attention_mask=mask)
+        for graphs in (True, False)
+    ]
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)

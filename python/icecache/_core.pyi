@@ -269,7 +269,11 @@ class HeadForest:
         self, k_src: npt.ArrayLike, v_src: npt.ArrayLike, k_store: npt.ArrayLike, v_store: npt.ArrayLike
     ) -> None:
         """Writes K and V of every token (``[H_kv, n, d]`` in position order) into the page stores
-        (``[H_kv, P, page_size, d]``, same dtype, writable, ``P >= max_pages()``), in parallel."""
+        (``[H_kv, P, page_size, d]``, same dtype, writable, ``P >= max_pages()``), in parallel.
+
+        8-bit stores: uint8 ``[H_kv, P, page_size * (d + 4)]``; each page holds its rows' int8
+        codes (``page_size * d`` bytes), then one float32 scale per row (``max |x| / 127``; a row
+        is ``code * scale`` within ``scale / 2``). Values must then be finite (``ValueError``)."""
     def select(
         self,
         queries: npt.ArrayLike,
@@ -316,7 +320,8 @@ class HeadForest:
     ) -> List[npt.NDArray[np.int32]]:
         """Appends ``m`` tokens per head (``[H_kv, m, d]``), writes their K/V (and any tokens a page
         split moves) into the stores, and returns per head the pages whose contents changed.
-        The stores need ``P >= max_pages() + m``."""
+        The stores need ``P >= max_pages() + m``. 8-bit stores as for :meth:`write_pages`: new
+        tokens are quantised, moved tokens keep their codes and scales."""
 
 @final
 class ResidentPages:
@@ -377,7 +382,9 @@ class StagingLayout:
     - from ``table_at``: int32 ``table [B*H_kv*width]``, the device slot of each selected page in
       the host's rank order (-1 past the head's count), then int32 ``table_len``, its valid tokens;
     - from ``mask_at``: ``[max_masks, page_size]`` bytes, 1 where the slot holds a token;
-    - from ``rows_at``: ``[max_loads, 2, page_size, d]``, each loaded page's K then V rows.
+    - from ``rows_at``: each loaded page's K then V, as the stores hold them: ``[max_loads, 2,
+      page_size, d]`` elements, or with ``page_format="int8"`` ``[max_loads, 2, page_size * (d +
+      4)]`` bytes (each page's int8 codes, then its float32 row scales).
     """
 
     max_loads: int
@@ -429,6 +436,9 @@ class LookAheadLayer:
             head's own, ``HeadForest.efforts``, as the constructor or ``calibrate`` set them).
         refresh: queued jobs select anew every ``refresh`` jobs, and whenever tokens were
             flushed; the others only insert (jobs run now always select).
+        page_format: ``"native"``: the stores hold the flushed tokens' dtype; ``"int8"``: uint8
+            8-bit stores (see :meth:`HeadForest.write_pages`), which inserts and a follower's
+            rewrites quantise (values must be finite).
     """
 
     def __new__(
@@ -448,6 +458,7 @@ class LookAheadLayer:
         successors: int = 0,
         refresh: int = 1,
         leader: Optional[LookAheadLayer] = None,
+        page_format: str = "native",
     ) -> Self: ...
     def set_lane(
         self,
@@ -460,7 +471,8 @@ class LookAheadLayer:
         k_history: Optional[npt.NDArray[Any]] = None,
         v_history: Optional[npt.NDArray[Any]] = None,
     ) -> None:
-        """Lends sequence ``b``'s page stores ``[kv_heads, P, page_size, d]``, and its index
+        """Lends sequence ``b``'s page stores ``[kv_heads, P, page_size, d]`` (``page_format="int8"``:
+        uint8 ``[kv_heads, P, page_size * (d + 4)]``), and its index
         (``forest``, ``None`` while nothing is offloaded, and ``resident``; leading layers) or its
         histories ``[kv_heads, n, d]`` (layers with a leader). Call again after reallocating any
         of them; not while a job runs (``RuntimeError``)."""
@@ -484,7 +496,15 @@ class LookAheadLayer:
         """Forgets the current job and every lane (after the job finished or was cancelled)."""
     @staticmethod
     def staging_layout(
-        *, batch: int, kv_heads: int, dim: int, page_size: int, itemsize: int, max_pages: int, capacity: int
+        *,
+        batch: int,
+        kv_heads: int,
+        dim: int,
+        page_size: int,
+        itemsize: int,
+        max_pages: int,
+        capacity: int,
+        page_format: str = "native",
     ) -> StagingLayout:
         """The staging layout of a layer of this shape: ``capacity`` device page slots per
-        (sequence, KV head), ``max_pages`` selected per step."""
+        (sequence, KV head), ``max_pages`` selected per step, pages in ``page_format``."""

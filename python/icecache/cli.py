@@ -125,6 +125,7 @@ def _cmd_eval_agreement(args: argparse.Namespace) -> int:
         full_layers=args.full_layers,
         threads=args.threads,
         effort=args.effort,
+        page_format=args.page_format,
     )
     print(res.to_markdown())
     for run, cal in res.info.get("calibration", {}).items():
@@ -192,6 +193,12 @@ def _add_agreement_parser(evals: Any) -> None:
         type=_effort_arg,
         default=1.0,
         help='IceCache\'s search effort: a number, or "auto" to calibrate each layer on the prompt (default 1.0)',
+    )
+    ag.add_argument(
+        "--page-format",
+        default="native",
+        choices=["native", "int8"],
+        help="IceCache's host page stores: the model's dtype, or int8 with a scale per row (default native)",
     )
     ag.add_argument("--seed", type=int, default=0, help="prompt choice (default 0)")
     ag.add_argument(

@@ -10,7 +10,7 @@ use super::arrays::{check_shape, matrix, ro, rw, to_i32, with_elem, Keys, NdArra
 use super::dci_index::{apply_config, make_pool, PyCalibration};
 use super::guard::{entry, on_pool, release, run, sizes, Shared};
 use crate::index::{DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
-use crate::pages::HeadForest;
+use crate::pages::{int8, HeadForest};
 use crate::select::SelectParams;
 
 /// One M-DCI tree per KV head of one layer, laid out as semantic pages.
@@ -36,6 +36,19 @@ impl PyHeadForest {
         check_shape("k_store", k_shape, &want)?;
         check_shape("v_store", v_shape, &want)
     }
+
+    /// 8-bit K and V page stores: `[H_kv, P, int8_page_bytes]` uint8 each.
+    fn check_int8_stores(&self, k_shape: &[usize], v_shape: &[usize]) -> PyResult<()> {
+        let want = [Some(self.num_heads), None, Some(int8::page_bytes(self.page_size, self.dim))];
+        check_shape("k_store", k_shape, &want)?;
+        check_shape("v_store", v_shape, &want)
+    }
+}
+
+/// Whether `store` is an 8-bit page store (uint8), rather than one in the tokens' dtype.
+fn is_int8_store(store: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let a = super::arrays::numpy_of(store)?;
+    Ok(a.dtype().is_equiv_to(&numpy::dtype::<u8>(a.py())))
 }
 
 #[pymethods]
@@ -154,6 +167,21 @@ impl PyHeadForest {
                 let [k_src, v_src, k_store, v_store] = arrays.each_ref().map(|a| a.bind(py));
                 let (h, d) = (self.num_heads, self.dim);
                 let n = forest.len();
+                let pool = self.pool();
+                if is_int8_store(k_store)? {
+                    return with_elem!(k_src, "k_src", |T| {
+                        let (mut ks, kshape) = rw::<u8>(k_store, "k_store")?;
+                        let (mut vs, vshape) = rw::<u8>(v_store, "v_store")?;
+                        let (kr, krs) = ro::<T>(k_src, "k_src")?;
+                        let (vr, vrs) = ro::<T>(v_src, "v_src")?;
+                        check_shape("k_src", &krs, &[Some(h), Some(n), Some(d)])?;
+                        check_shape("v_src", &vrs, &[Some(h), Some(n), Some(d)])?;
+                        self.check_int8_stores(&kshape, &vshape)?;
+                        let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
+                        let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
+                        release(py, || on_pool(pool, true, || forest.write_pages_int8(krl, vrl, ksl, vsl)))
+                    });
+                }
                 with_elem!(k_store, "k_store", |T| {
                     let (mut ks, kshape) = rw::<T>(k_store, "k_store")?;
                     let (mut vs, vshape) = rw::<T>(v_store, "v_store")?;
@@ -164,7 +192,6 @@ impl PyHeadForest {
                     self.check_stores(&kshape, &vshape)?;
                     let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
                     let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
-                    let pool = self.pool();
                     release(py, || on_pool(pool, true, || forest.write_pages(krl, vrl, ksl, vsl)))
                 })
             })
@@ -249,6 +276,22 @@ impl PyHeadForest {
             let changed = self.inner.with_write(py, |py, forest| {
                 let [keys, values, k_store, v_store] = arrays.each_ref().map(|a| a.bind(py));
                 let (h, d) = (self.num_heads, self.dim);
+                if is_int8_store(k_store)? {
+                    return with_elem!(keys, "keys", |T| {
+                        let (mut ks, kshape) = rw::<u8>(k_store, "k_store")?;
+                        let (mut vs, vshape) = rw::<u8>(v_store, "v_store")?;
+                        let (kr, krs) = ro::<T>(keys, "keys")?;
+                        let (vr, vrs) = ro::<T>(values, "values")?;
+                        check_shape("keys", &krs, &[Some(h), None, Some(d)])?;
+                        check_shape("values", &vrs, &[Some(h), Some(krs[1]), Some(d)])?;
+                        self.check_int8_stores(&kshape, &vshape)?;
+                        let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
+                        // Copies, as below.
+                        let (krl, vrl) = (kr.as_slice()?.to_vec(), vr.as_slice()?.to_vec());
+                        let pool = self.pool();
+                        release(py, || on_pool(pool, true, || forest.insert_int8(&krl, &vrl, ksl, vsl)))
+                    });
+                }
                 with_elem!(k_store, "k_store", |T| {
                     let (mut ks, kshape) = rw::<T>(k_store, "k_store")?;
                     let (mut vs, vshape) = rw::<T>(v_store, "v_store")?;

@@ -22,6 +22,7 @@ use crate::lookahead::{
     Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, StagingLayout,
     Work,
 };
+use crate::pages::PageFormat;
 use crate::select::SelectParams;
 
 type Keep = Arc<Vec<Py<PyAny>>>;
@@ -62,6 +63,15 @@ fn elem_of(a: &Bound<'_, PyUntypedArray>) -> Option<Elem> {
         Some(Elem::Bf16)
     } else {
         None
+    }
+}
+
+/// `page_format`: ``"native"`` (the tokens' dtype) or ``"int8"``.
+fn page_format(name: &str) -> PyResult<PageFormat> {
+    match name {
+        "native" => Ok(PageFormat::Native),
+        "int8" => Ok(PageFormat::Int8),
+        _ => Err(PyValueError::new_err(format!("page_format must be \"native\" or \"int8\", got {name:?}"))),
     }
 }
 
@@ -211,7 +221,7 @@ impl PyLookAheadLayer {
 impl PyLookAheadLayer {
     /// See ``icecache/_core.pyi``.
     #[new]
-    #[pyo3(signature = (worker, queries, flag, flush_k, flush_v, staging, *, kv_heads, page_size, max_pages, scale, effort = None, successors = 0, refresh = 1, leader = None))]
+    #[pyo3(signature = (worker, queries, flag, flush_k, flush_v, staging, *, kv_heads, page_size, max_pages, scale, effort = None, successors = 0, refresh = 1, leader = None, page_format = "native"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         worker: PyRef<'_, PyLookAhead>,
@@ -228,8 +238,10 @@ impl PyLookAheadLayer {
         #[pyo3(from_py_with = sizes::successors)] successors: usize,
         #[pyo3(from_py_with = sizes::refresh)] refresh: usize,
         leader: Option<Py<PyLookAheadLayer>>,
+        page_format: &str,
     ) -> PyResult<Self> {
         entry(|| {
+            let format = self::page_format(page_format)?;
             let Lent { buf: qb, shape: qs, elem: qe, keep: qk } = lend(queries, "queries")?;
             if qe != Some(Elem::F32) || qs.len() != 3 || qs[0] == 0 || kv_heads == 0 || qs[1] % kv_heads != 0 {
                 return Err(shape_err("queries", "float32 [B, H_q, d] with H_q a multiple of kv_heads", &qs));
@@ -254,7 +266,7 @@ impl PyLookAheadLayer {
             if !(scale.is_finite() && scale > 0.0 && effort.is_none_or(|e| e.is_finite() && e > 0.0)) {
                 return Err(PyValueError::new_err("scale and effort must be positive numbers"));
             }
-            let geometry = Geometry { heads: kv_heads, query_heads, dim, page_size, elem };
+            let geometry = Geometry { heads: kv_heads, query_heads, dim, page_size, elem, format };
             if let Some(l) = &leader {
                 let l = l.get();
                 if l.batch != batch
@@ -310,15 +322,39 @@ impl PyLookAheadLayer {
             }
             let Lent { buf: kb, shape: ks, elem: ke, keep: kk } = lend(k_store, "k_store")?;
             let Lent { buf: vb, shape: vs, elem: ve, keep: vk } = lend(v_store, "v_store")?;
-            if ks.len() != 4 || ks[0] != g.heads || ks[2] != g.page_size || ks[3] != g.dim || vs != ks {
-                return Err(shape_err(
-                    "k_store and v_store",
-                    &format!("[{}, P, {}, {}]", g.heads, g.page_size, g.dim),
-                    &ks,
-                ));
-            }
-            if ke != Some(g.elem) || ve != Some(g.elem) {
-                return Err(PyValueError::new_err("the stores must have the flushed tokens' dtype"));
+            match g.format {
+                PageFormat::Native => {
+                    if ks.len() != 4 || ks[0] != g.heads || ks[2] != g.page_size || ks[3] != g.dim || vs != ks {
+                        return Err(shape_err(
+                            "k_store and v_store",
+                            &format!("[{}, P, {}, {}]", g.heads, g.page_size, g.dim),
+                            &ks,
+                        ));
+                    }
+                    if ke != Some(g.elem) || ve != Some(g.elem) {
+                        return Err(PyValueError::new_err("the stores must have the flushed tokens' dtype"));
+                    }
+                }
+                PageFormat::Int8 => {
+                    let pb = g.page_bytes();
+                    let bytes = |a: &Bound<'_, PyAny>| -> PyResult<bool> {
+                        let a = numpy_of(a)?;
+                        Ok(a.dtype().is_equiv_to(&numpy::dtype::<u8>(a.py())))
+                    };
+                    if ks.len() != 3
+                        || ks[0] != g.heads
+                        || ks[2] != pb
+                        || vs != ks
+                        || !bytes(k_store)?
+                        || !bytes(v_store)?
+                    {
+                        return Err(shape_err(
+                            "k_store and v_store (8-bit pages)",
+                            &format!("uint8 [{}, P, {pb}]", g.heads),
+                            &ks,
+                        ));
+                    }
+                }
             }
             let mut lane = Lane {
                 forest: None,
@@ -527,7 +563,7 @@ impl PyLookAheadLayer {
 
     /// The fixed layout of a layer's staging buffer. See ``icecache/_core.pyi``.
     #[staticmethod]
-    #[pyo3(signature = (*, batch, kv_heads, dim, page_size, itemsize, max_pages, capacity))]
+    #[pyo3(signature = (*, batch, kv_heads, dim, page_size, itemsize, max_pages, capacity, page_format = "native"))]
     #[allow(clippy::too_many_arguments)]
     fn staging_layout(
         #[pyo3(from_py_with = sizes::batch)] batch: usize,
@@ -537,14 +573,16 @@ impl PyLookAheadLayer {
         #[pyo3(from_py_with = sizes::itemsize)] itemsize: usize,
         #[pyo3(from_py_with = sizes::max_pages)] max_pages: usize,
         #[pyo3(from_py_with = sizes::capacity)] capacity: usize,
+        page_format: &str,
     ) -> PyResult<PyStagingLayout> {
         entry(|| {
+            let format = self::page_format(page_format)?;
             let elem = match itemsize {
                 4 => Elem::F32,
                 2 => Elem::F16,
                 _ => return Err(PyValueError::new_err(format!("itemsize must be 2 or 4, got {itemsize}"))),
             };
-            let g = Geometry { heads: kv_heads, query_heads: kv_heads, dim, page_size, elem };
+            let g = Geometry { heads: kv_heads, query_heads: kv_heads, dim, page_size, elem, format };
             let l = StagingLayout::new(&g, batch, max_pages, capacity);
             Ok(PyStagingLayout {
                 max_loads: l.max_loads,

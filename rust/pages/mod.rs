@@ -2,9 +2,11 @@
 //! members of each leaf cell (keys near one parent), split into runs of at most `page_size` keys
 //! that are near each other, are the physical pages of the CPU KV store.
 //!
-//! Page stores are `[H_kv, P, page_size, d]` arrays (K and V apart), owned by the caller (pinned
-//! memory on CUDA machines); this module writes them but never allocates them.
+//! Page stores are `[H_kv, P, page_size, d]` arrays (K and V apart) in the tokens' element type,
+//! or, for 8-bit pages, `[H_kv, P, int8::page_bytes(page_size, d)]` bytes (see [`int8`]); owned
+//! by the caller, this module writes them but never allocates them.
 
+pub mod int8;
 mod split;
 
 use std::collections::HashMap;
@@ -21,14 +23,18 @@ use split::{split_pages, SplitScratch};
 /// Allowed page sizes.
 pub const PAGE_SIZES: std::ops::RangeInclusive<usize> = 8..=64;
 
-/// An element of a K/V store: f32, f16, or bf16 carried as its u16 bits.
+/// An element of K/V tokens: f32, f16, or bf16 carried as its u16 bits.
 pub trait Elem: Copy + Default + Send + Sync + 'static {
     fn keys(s: &[Self]) -> KeyData<'_>;
+    fn to_f32(self) -> f32;
 }
 
 impl Elem for f32 {
     fn keys(s: &[f32]) -> KeyData<'_> {
         KeyData::F32(s)
+    }
+    fn to_f32(self) -> f32 {
+        self
     }
 }
 
@@ -36,12 +42,117 @@ impl Elem for f16 {
     fn keys(s: &[f16]) -> KeyData<'_> {
         KeyData::F16(s)
     }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
 }
 
 impl Elem for u16 {
     fn keys(s: &[u16]) -> KeyData<'_> {
         KeyData::Bf16(half::slice::HalfBitsSliceExt::reinterpret_cast::<bf16>(s))
     }
+    fn to_f32(self) -> f32 {
+        bf16::from_bits(self).to_f32()
+    }
+}
+
+/// How a layer's page stores hold K and V rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageFormat {
+    /// In the tokens' element type: `[H_kv, P, page_size, d]`.
+    Native,
+    /// int8 codes and an f32 scale per row: `[H_kv, P, int8::page_bytes(page_size, d)]` bytes.
+    Int8,
+}
+
+impl PageFormat {
+    /// Bytes of one page of `page_size` rows of `dim` elements of `elem_size` bytes.
+    pub fn page_bytes(self, page_size: usize, dim: usize, elem_size: usize) -> usize {
+        match self {
+            PageFormat::Native => page_size * dim * elem_size,
+            PageFormat::Int8 => int8::page_bytes(page_size, dim),
+        }
+    }
+}
+
+/// How page stores hold rows of `T`: each page is `page_len(s, d)` cells.
+pub(crate) trait Format<T: Elem> {
+    type Cell: Copy + Default + Send + Sync;
+    /// Only finite rows can be stored.
+    const FINITE: bool;
+    fn page_len(s: usize, d: usize) -> usize;
+    /// The expected store shape, for errors.
+    fn shape(h: usize, s: usize, d: usize) -> String;
+    /// Writes `row` into slot `slot` of `page`.
+    fn put(page: &mut [Self::Cell], slot: usize, row: &[T], s: usize);
+    /// Copies row `from` of page `src` into row `to` of page `dst`.
+    fn copy(src: &[Self::Cell], from: usize, dst: &mut [Self::Cell], to: usize, s: usize, d: usize);
+    /// Empties rows `from..s` of `page`.
+    fn clear_from(page: &mut [Self::Cell], from: usize, s: usize, d: usize);
+}
+
+/// Stores in the tokens' own element type: `[H_kv, P, page_size, d]`.
+pub(crate) struct Native;
+
+impl<T: Elem> Format<T> for Native {
+    type Cell = T;
+    const FINITE: bool = false;
+    fn page_len(s: usize, d: usize) -> usize {
+        s * d
+    }
+    fn shape(h: usize, s: usize, d: usize) -> String {
+        format!("[{h}, P, {s}, {d}]")
+    }
+    fn put(page: &mut [T], slot: usize, row: &[T], _s: usize) {
+        let d = row.len();
+        page[slot * d..(slot + 1) * d].copy_from_slice(row);
+    }
+    fn copy(src: &[T], from: usize, dst: &mut [T], to: usize, _s: usize, d: usize) {
+        dst[to * d..(to + 1) * d].copy_from_slice(&src[from * d..(from + 1) * d]);
+    }
+    fn clear_from(page: &mut [T], from: usize, _s: usize, d: usize) {
+        page[from * d..].fill(T::default());
+    }
+}
+
+/// 8-bit stores: `[H_kv, P, int8::page_bytes(page_size, d)]` bytes (see [`int8`]).
+pub(crate) struct Int8;
+
+impl<T: Elem> Format<T> for Int8 {
+    type Cell = u8;
+    const FINITE: bool = true;
+    fn page_len(s: usize, d: usize) -> usize {
+        int8::page_bytes(s, d)
+    }
+    fn shape(h: usize, s: usize, d: usize) -> String {
+        format!("[{h}, P, {}] bytes", int8::page_bytes(s, d))
+    }
+    fn put(page: &mut [u8], slot: usize, row: &[T], s: usize) {
+        // Widened on the stack (head dims are at most a few hundred).
+        let mut stack = [0f32; 512];
+        let mut heap = Vec::new();
+        let wide = if row.len() <= stack.len() {
+            &mut stack[..row.len()]
+        } else {
+            heap.resize(row.len(), 0.0);
+            &mut heap[..]
+        };
+        wide.iter_mut().zip(row).for_each(|(w, x)| *w = x.to_f32());
+        int8::put_row(page, slot, wide, s);
+    }
+    fn copy(src: &[u8], from: usize, dst: &mut [u8], to: usize, s: usize, d: usize) {
+        int8::copy_row(src, from, dst, to, s, d);
+    }
+    fn clear_from(page: &mut [u8], from: usize, s: usize, d: usize) {
+        page[from * d..s * d].fill(0);
+        page[s * d + from * int8::SCALE_BYTES..].fill(0);
+    }
+}
+
+/// `Err` unless every element of `rows` is finite (what 8-bit pages can hold).
+fn check_finite<T: Elem>(rows: &[T], what: &str) -> Result<()> {
+    ensure!(rows.iter().all(|x| x.to_f32().is_finite()), "{what}: 8-bit pages hold finite values only");
+    Ok(())
 }
 
 /// The pages of one KV head and the tree that ranks them.
@@ -217,17 +328,12 @@ impl HeadForest {
         })
     }
 
-    /// Checks a store's size: `[H_kv, P, page_size, d]` with `P >= min_pages`; returns `P`.
-    fn store_pages(&self, len: usize, what: &str, min_pages: usize) -> Result<usize> {
-        let per_page = self.page_size * self.dim;
-        ensure!(
-            len.is_multiple_of(self.heads.len() * per_page),
-            "{what} must be [{}, P, {}, {}]",
-            self.heads.len(),
-            self.page_size,
-            self.dim
-        );
-        let p = len / (self.heads.len() * per_page);
+    /// Checks a store's size: `[H_kv, P]` pages of format `F` with `P >= min_pages`; returns `P`.
+    fn store_pages<T: Elem, F: Format<T>>(&self, len: usize, what: &str, min_pages: usize) -> Result<usize> {
+        let (h, s, d) = (self.heads.len(), self.page_size, self.dim);
+        let per_page = F::page_len(s, d);
+        ensure!(len.is_multiple_of(h * per_page), "{what} must be {}", F::shape(h, s, d));
+        let p = len / (h * per_page);
         ensure!(p >= min_pages, "{what} holds {p} pages per head, needs at least {min_pages}");
         Ok(p)
     }
@@ -235,24 +341,47 @@ impl HeadForest {
     /// Writes K and V of every token (`[H_kv, n, d]`, position order) into the page stores;
     /// slots no token fills are zeroed.
     pub fn write_pages<T: Elem>(&self, k_src: &[T], v_src: &[T], k_store: &mut [T], v_store: &mut [T]) -> Result<()> {
+        self.write_pages_as::<T, Native>(k_src, v_src, k_store, v_store)
+    }
+
+    /// [`HeadForest::write_pages`] into 8-bit stores (`[H_kv, P, int8::page_bytes(page_size,
+    /// d)]` bytes): each row quantised to int8 codes and a scale. Values must be finite.
+    pub fn write_pages_int8<T: Elem>(
+        &self,
+        k_src: &[T],
+        v_src: &[T],
+        k_store: &mut [u8],
+        v_store: &mut [u8],
+    ) -> Result<()> {
+        self.write_pages_as::<T, Int8>(k_src, v_src, k_store, v_store)
+    }
+
+    fn write_pages_as<T: Elem, F: Format<T>>(
+        &self,
+        k_src: &[T],
+        v_src: &[T],
+        k_store: &mut [F::Cell],
+        v_store: &mut [F::Cell],
+    ) -> Result<()> {
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
         for (src, what) in [(k_src, "k_src"), (v_src, "v_src")] {
             ensure!(src.len() == h * self.len * d, "{what} must be [{h}, {}, {d}]", self.len);
+            if F::FINITE {
+                check_finite(src, what)?;
+            }
         }
         let need = self.max_pages();
-        let p = self.store_pages(k_store.len(), "k_store", need)?;
+        let p = self.store_pages::<T, F>(k_store.len(), "k_store", need)?;
         ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
-        let n = self.len;
+        let (n, pl) = (self.len, F::page_len(s, d));
         for (src, store) in [(k_src, &mut *k_store), (v_src, &mut *v_store)] {
-            store.par_chunks_mut(p * s * d).zip(src.par_chunks(n * d)).zip(&self.heads).for_each(|((st, sr), hp)| {
-                st.par_chunks_mut(s * d).enumerate().for_each(|(page, block)| {
+            store.par_chunks_mut(p * pl).zip(src.par_chunks(n * d)).zip(&self.heads).for_each(|((st, sr), hp)| {
+                st.par_chunks_mut(pl).enumerate().for_each(|(page, block)| {
                     let tokens: &[u32] = hp.pages.get(page).map_or(&[], |t| &t[..]);
-                    for (slot, row) in block.chunks_mut(d).enumerate() {
-                        match tokens.get(slot) {
-                            Some(&t) => row.copy_from_slice(&sr[t as usize * d..(t as usize + 1) * d]),
-                            None => row.fill(T::default()),
-                        }
+                    for (slot, &t) in tokens.iter().enumerate() {
+                        F::put(block, slot, &sr[t as usize * d..(t as usize + 1) * d], s);
                     }
+                    F::clear_from(block, tokens.len(), s, d);
                 })
             });
         }
@@ -270,26 +399,53 @@ impl HeadForest {
         k_store: &mut [T],
         v_store: &mut [T],
     ) -> Result<Vec<Vec<u32>>> {
+        self.insert_as::<T, Native>(keys, values, k_store, v_store)
+    }
+
+    /// [`HeadForest::insert`] into 8-bit stores (see [`HeadForest::write_pages_int8`]): new
+    /// tokens are quantised; tokens a split moves keep their codes and scales. Values must be
+    /// finite.
+    pub fn insert_int8<T: Elem>(
+        &mut self,
+        keys: &[T],
+        values: &[T],
+        k_store: &mut [u8],
+        v_store: &mut [u8],
+    ) -> Result<Vec<Vec<u32>>> {
+        self.insert_as::<T, Int8>(keys, values, k_store, v_store)
+    }
+
+    fn insert_as<T: Elem, F: Format<T>>(
+        &mut self,
+        keys: &[T],
+        values: &[T],
+        k_store: &mut [F::Cell],
+        v_store: &mut [F::Cell],
+    ) -> Result<Vec<Vec<u32>>> {
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
         ensure!(keys.len().is_multiple_of(h * d) && !keys.is_empty(), "keys must be [{h}, m, {d}] with m >= 1");
         ensure!(values.len() == keys.len(), "values must have the shape of keys");
         let m = keys.len() / (h * d);
-        let p = self.store_pages(k_store.len(), "k_store", self.max_pages() + m)?;
+        let p = self.store_pages::<T, F>(k_store.len(), "k_store", self.max_pages() + m)?;
         ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
         let f32_keys = T::keys(keys).to_f32_vec();
         check_rows(&f32_keys, d, "keys")?;
+        if F::FINITE {
+            check_finite(values, "values")?;
+        }
         let start = self.len;
+        let pl = F::page_len(s, d);
         let changed = self
             .heads
             .par_iter_mut()
-            .zip(k_store.par_chunks_mut(p * s * d))
-            .zip(v_store.par_chunks_mut(p * s * d))
+            .zip(k_store.par_chunks_mut(p * pl))
+            .zip(v_store.par_chunks_mut(p * pl))
             .enumerate()
             .map(|(hi, ((hp, ks), vs))| {
                 let mut changed = Vec::new();
                 for i in 0..m {
                     let row = (hi * m + i) * d;
-                    let store = Store { k: &mut *ks, v: &mut *vs, d, s };
+                    let store = Store::<T, F> { k: &mut *ks, v: &mut *vs, d, s, kind: std::marker::PhantomData };
                     hp.insert_one(
                         (start + i) as u32,
                         &f32_keys[row..row + d],
@@ -308,33 +464,44 @@ impl HeadForest {
     }
 }
 
-/// One head's K and V page stores.
-struct Store<'a, T> {
-    k: &'a mut [T],
-    v: &'a mut [T],
+/// One head's K and V page stores, in format `F`.
+struct Store<'a, T: Elem, F: Format<T>> {
+    k: &'a mut [F::Cell],
+    v: &'a mut [F::Cell],
     d: usize,
     s: usize,
+    kind: std::marker::PhantomData<(T, F)>,
 }
 
-impl<T: Elem> Store<'_, T> {
+impl<T: Elem, F: Format<T>> Store<'_, T, F> {
+    fn page_at(&self, page: u32) -> std::ops::Range<usize> {
+        let n = F::page_len(self.s, self.d);
+        page as usize * n..(page as usize + 1) * n
+    }
+
     fn write(&mut self, page: u32, slot: u32, k: &[T], v: &[T]) {
-        let at = (page as usize * self.s + slot as usize) * self.d;
-        self.k[at..at + self.d].copy_from_slice(k);
-        self.v[at..at + self.d].copy_from_slice(v);
+        let at = self.page_at(page);
+        F::put(&mut self.k[at.clone()], slot as usize, k, self.s);
+        F::put(&mut self.v[at], slot as usize, v, self.s);
     }
 
     /// Copies of one page's K and V blocks.
-    fn read_page(&self, page: u32) -> (Vec<T>, Vec<T>) {
-        let at = page as usize * self.s * self.d;
-        let n = self.s * self.d;
-        (self.k[at..at + n].to_vec(), self.v[at..at + n].to_vec())
+    fn read_page(&self, page: u32) -> (Vec<F::Cell>, Vec<F::Cell>) {
+        let at = self.page_at(page);
+        (self.k[at.clone()].to_vec(), self.v[at].to_vec())
+    }
+
+    /// Row `from` of the page copies `old` into slot `slot` of `page`.
+    fn move_row(&mut self, old: &(Vec<F::Cell>, Vec<F::Cell>), from: usize, page: u32, slot: usize) {
+        let at = self.page_at(page);
+        F::copy(&old.0, from, &mut self.k[at.clone()], slot, self.s, self.d);
+        F::copy(&old.1, from, &mut self.v[at], slot, self.s, self.d);
     }
 
     fn clear_page(&mut self, page: u32) {
-        let at = page as usize * self.s * self.d;
-        let n = self.s * self.d;
-        self.k[at..at + n].fill(T::default());
-        self.v[at..at + n].fill(T::default());
+        let at = self.page_at(page);
+        F::clear_from(&mut self.k[at.clone()], 0, self.s, self.d);
+        F::clear_from(&mut self.v[at], 0, self.s, self.d);
     }
 }
 
@@ -441,12 +608,12 @@ impl HeadPages {
         }
     }
 
-    fn insert_one<T: Elem>(
+    fn insert_one<T: Elem, F: Format<T>>(
         &mut self,
         pos: u32,
         key: &[f32],
         kv: (&[T], &[T]),
-        mut store: Store<'_, T>,
+        mut store: Store<'_, T, F>,
         changed: &mut Vec<u32>,
     ) -> Result<()> {
         let (d, s) = (store.d, store.s);
@@ -482,7 +649,7 @@ impl HeadPages {
             }
             (None, Some(full)) => {
                 // Split the full page and the new token into two tight pages.
-                let (old_k, old_v) = store.read_page(full);
+                let old = store.read_page(full);
                 let mut tokens = self.pages[full as usize].clone();
                 let old_slot: HashMap<u32, usize> = tokens.iter().enumerate().map(|(i, &t)| (t, i)).collect();
                 tokens.push(pos);
@@ -504,11 +671,10 @@ impl HeadPages {
                     self.tag_page(page);
                     store.clear_page(page);
                     for (slot, &t) in self.pages[page as usize].iter().enumerate() {
-                        let (k, v) = match old_slot.get(&t) {
-                            Some(&o) => (&old_k[o * d..(o + 1) * d], &old_v[o * d..(o + 1) * d]),
-                            None => (kv.0, kv.1),
-                        };
-                        store.write(page, slot as u32, k, v);
+                        match old_slot.get(&t) {
+                            Some(&o) => store.move_row(&old, o, page, slot),
+                            None => store.write(page, slot as u32, kv.0, kv.1),
+                        }
                     }
                     changed.push(page);
                 }

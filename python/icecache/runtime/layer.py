@@ -316,7 +316,7 @@ class IceLayer(CacheLayerMixin):
         self.win_len = [0] * B
         self._flushed = [0] * B  # flushed, not yet handed to a job
         self._in_job = [0] * B  # handed to the current job, still attended from the window
-        self.stores = [PageStore(H, S, D, self.dtype) for _ in range(B)]
+        self.stores = [PageStore(H, S, D, self.dtype, cfg.page_format) for _ in range(B)]
         if self.leader is None:
             self.indexes = [PageIndex(H, cfg) for _ in range(B)]
         else:
@@ -641,6 +641,7 @@ class IceLayer(CacheLayerMixin):
             itemsize=self.dtype.itemsize,
             max_pages=cfg.selected_pages,
             capacity=cfg.device_pages,
+            page_format=cfg.page_format,
         )
 
     def _open_jobs(self, query_heads: int, scale: float) -> None:
@@ -669,6 +670,7 @@ class IceLayer(CacheLayerMixin):
             successors=cfg.successors if cfg.lookahead else 0,
             refresh=cfg.refresh,
             leader=leader_jobs,
+            page_format=cfg.page_format,
         )
         for b in range(self.batch):
             if self.leader is None:
@@ -691,6 +693,7 @@ class IceLayer(CacheLayerMixin):
             handoff=(bufs.queries, bufs.flag) if cfg.lookahead else None,
             graphs=cfg.lookahead and cfg.cuda_graphs,
             pool=self.runtime.graph_pool() if self.device.type == "cuda" else None,
+            page_format=cfg.page_format,
         )
         # This step's token is counted in win_len already, and the device step writes it.
         self._step.start_window([(w0 + n - 1) % self.ring for w0, n in zip(self.win_start, self.win_len)])
@@ -850,7 +853,7 @@ class IceLayer(CacheLayerMixin):
             dense = torch.einsum("hgd,htd->hgt", qb, dense_k[b]) * scale
             total = torch.logsumexp(dense.masked_fill(~dense_valid[b, :, None], float("-inf")), dim=-1)  # [H, G]
             if index.forest is not None:
-                store = self.stores[b].k.float()
+                store = self.stores[b].tokens(self.dtype)[0].float()  # as the device attends it
                 for h in range(self.heads):
                     page, slot = (torch.from_numpy(a).long() for a in index.forest.token_map(h))
                     mid = qb[h] @ store[h, page, slot].T * scale  # [G, n]

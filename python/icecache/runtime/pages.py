@@ -8,6 +8,10 @@ sequence and reuse group owns the :class:`icecache.HeadForest` that decides that
 the device residency of pages (:class:`icecache.ResidentPages`). Layers that reuse another
 layer's layout keep their own keys in position order (:class:`History`) to rewrite pages that
 the leader's index changes.
+
+With ``IceCacheConfig.page_format="int8"`` the stores hold 8-bit pages: uint8 ``[H_kv, P,
+page_size * (D + 4)]``, each page its rows' int8 codes, then one float32 scale per row
+(:func:`dequantize_pages` reads them, on the host and on the device alike).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from icecache import _core
 from icecache.runtime.config import IceCacheConfig
 
-__all__ = ["numpy_view", "headroom", "PageStore", "History", "PageIndex"]
+__all__ = ["numpy_view", "headroom", "int8_page_bytes", "dequantize_pages", "PageStore", "History", "PageIndex"]
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -28,6 +32,21 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
+
+
+def int8_page_bytes(page_size: int, dim: int) -> int:
+    """Bytes of one 8-bit page: ``page_size * dim`` int8 codes, then ``page_size`` float32 scales."""
+    return page_size * (dim + 4)
+
+
+def dequantize_pages(pages: torch.Tensor, page_size: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """8-bit pages ``[..., page_size * (dim + 4)]`` (uint8) as ``[..., page_size, dim]`` tokens in
+    ``dtype``: each code times its row's scale, in float32, then rounded once to ``dtype``.
+    Views and elementwise ops only, so a CUDA graph can replay it; the same on CPU and CUDA."""
+    split = page_size * dim
+    codes = pages[..., :split].view(torch.int8).unflatten(-1, (page_size, dim))
+    scales = pages[..., split:].view(torch.float32)  # [..., page_size]
+    return (codes.float() * scales[..., None]).to(dtype)
 
 
 def headroom(pages: int) -> int:
@@ -49,16 +68,32 @@ def _grow(owner, need: int, keep: int) -> None:
 
 
 class PageStore:
-    """K and V pages of one layer of one sequence in CPU memory: ``[H_kv, P, S, D]`` each.
+    """K and V pages of one layer of one sequence in CPU memory: ``[H_kv, P, S, D]`` each in
+    ``dtype``, or with ``page_format="int8"`` uint8 ``[H_kv, P, S * (D + 4)]`` (8-bit pages, see
+    the module docs).
 
     Grows by half again when full; the NumPy views handed to the core are taken after any
     growth. Growing copies the whole store and stalls the step that does it, so callers
     reserve headroom up front (:func:`headroom`).
     """
 
-    def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype):
-        self.k = torch.empty(heads, 0, page_size, dim, dtype=dtype)
+    def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype, page_format: str = "native"):
+        self.page_size, self.dim, self.page_format = page_size, dim, page_format
+        if page_format == "int8":
+            self.k = torch.empty(heads, 0, int8_page_bytes(page_size, dim), dtype=torch.uint8)
+        elif page_format == "native":
+            self.k = torch.empty(heads, 0, page_size, dim, dtype=dtype)
+        else:
+            raise ValueError(f'page_format must be "native" or "int8", got {page_format!r}')
         self.v = torch.empty_like(self.k)
+
+    def tokens(self, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V pages as ``[H_kv, P, S, D]`` tokens in ``dtype`` (8-bit pages dequantised:
+        what the device attends once it loads them)."""
+        if self.page_format == "int8":
+            S, D = self.page_size, self.dim
+            return dequantize_pages(self.k, S, D, dtype), dequantize_pages(self.v, S, D, dtype)
+        return self.k.to(dtype), self.v.to(dtype)
 
     @property
     def pages(self) -> int:

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from icecache.attend.ranked import RankedAttention, ranked_decode_attention
+from icecache.runtime.pages import dequantize_pages, int8_page_bytes
 
 __all__ = ["DeviceStep"]
 
@@ -42,6 +43,8 @@ class DeviceStep:
         handoff: ``(host_query, host_flag)`` pinned host tensors to hand each step's queries and
             step number to (look-ahead), or ``None``.
         graphs: replay from CUDA graphs (CUDA only); ``pool``: their shared memory pool.
+        page_format: how staging carries pages (``IceCacheConfig.page_format``): ``"int8"``
+            pages are dequantised into the pool's dtype as they are scattered.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class DeviceStep:
         handoff: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
         graphs: bool = False,
         pool: Optional[Any] = None,
+        page_format: str = "native",
     ):
         _, B, H, L, D = dense_kv.shape
         S = pool_masks.shape[1]
@@ -76,7 +80,14 @@ class DeviceStep:
         self._load_idx = staging[: 8 * n].view(torch.int64)
         self._mask_idx = staging[8 * n : 8 * (n + m)].view(torch.int64)
         self._masks = staging[layout.mask_at : layout.mask_at + m * S].view(torch.bool).view(m, S)
-        self._rows = staging[layout.rows_at : layout.bytes].view(dense_kv.dtype).view(n, 2, S * D).transpose(0, 1)
+        rows = staging[layout.rows_at : layout.bytes]
+        # int8: [n, 2, page bytes], dequantised per step (only the staged pages when eager).
+        self._int8 = page_format == "int8"
+        if self._int8:
+            self._rows = rows.view(n, 2, int8_page_bytes(S, D))
+        else:
+            self._rows = rows.view(dense_kv.dtype).view(n, 2, S * D).transpose(0, 1)
+        self._page = (S, D)
         # Until a job's outcome arrives, every entry names the trash slot.
         self._load_idx.fill_(layout.trash)
         self._mask_idx.fill_(layout.trash)
@@ -116,7 +127,11 @@ class DeviceStep:
         # slot), only the ``staged`` (loads, masks) ones eagerly.
         n, m = staged if staged is not None else (len(self._load_idx), len(self._mask_idx))
         if n:
-            self._pool_rows.index_copy_(1, self._load_idx[:n], self._rows[:, :n])
+            if self._int8:
+                rows = dequantize_pages(self._rows[:n], *self._page, self._pool_rows.dtype).flatten(-2).transpose(0, 1)
+            else:
+                rows = self._rows[:, :n]
+            self._pool_rows.index_copy_(1, self._load_idx[:n], rows)
         if m:
             self._pool_masks.index_copy_(0, self._mask_idx[:m], self._masks[:m])
         res = ranked_decode_attention(

@@ -120,6 +120,7 @@ def evaluate_prompts(
     full_layers: int = 2,
     threads: Optional[int] = None,
     effort: Union[float, Literal["auto"]] = 1.0,
+    page_format: str = "native",
     progress: bool = True,
     on_prompt: Optional[Callable[[AgreementResult], None]] = None,
 ) -> AgreementResult:
@@ -129,9 +130,9 @@ def evaluate_prompts(
     cache then decodes ``new_tokens`` greedy tokens from the last prompt token; every method
     at every budget decodes the same steps fed the full cache's tokens, and its argmax at each
     step is compared with the full cache's. IceCache runs with
-    ``IceCacheConfig(budget, sink, window, page_size, full_layers, threads, effort)`` (and
-    ``budget_mode="adaptive"`` for ``icecache_adaptive``), ``exact_until_indexed=False`` (every
-    step retrieves) and its defaults otherwise; the
+    ``IceCacheConfig(budget, sink, window, page_size, full_layers, threads, effort, page_format)``
+    (and ``budget_mode="adaptive"`` for ``icecache_adaptive``), ``exact_until_indexed=False``
+    (every step retrieves) and its defaults otherwise; the
     emulated methods serve the same layers with the same sink and window.
     With ``effort="auto"`` IceCache calibrates on the prompt's queries, which the shared prefill
     does not keep: it runs its own prefill of the same tokens (exact attention either way), and
@@ -165,6 +166,7 @@ def evaluate_prompts(
             threads=threads,
             budget_mode=mode,
             effort=effort,
+            page_format=page_format,
             exact_until_indexed=False,  # every step retrieves: the method is measured, not the bridge
         )
         for m, mode in BUDGET_MODE.items()
@@ -182,6 +184,7 @@ def evaluate_prompts(
         full_layers=full_layers,
         served_layers=sorted(layers),
     )
+    result.info["page_format"] = page_format
     enable(model)
     bar = progress_bar(total=len(prompts) * (1 + len(methods) * len(budgets)), desc="agreement", enable=progress)
     try:
@@ -248,8 +251,8 @@ def evaluate_agreement(
 
     Args:
         model: ``"smollm2"`` or ``"gemma3"`` (:func:`icecache.models.load_model`).
-        settings: ``sink``, ``window``, ``page_size``, ``full_layers``, ``threads``, ``effort``
-            (see :func:`evaluate_prompts`).
+        settings: ``sink``, ``window``, ``page_size``, ``full_layers``, ``threads``, ``effort``,
+            ``page_format`` (see :func:`evaluate_prompts`).
     """
     from icecache import models, texts
 

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""8-bit host pages (``IceCacheConfig(page_format="int8")``) on real SmolLM2 attention.
+
+Two measurements, prose and code documents shipped with the package
+(``icecache.texts.documents``):
+
+1. Attention output error. SmolLM2-135M's post-RoPE queries, keys and values of every layer
+   are captured once per document (``icecache.capture``). For the last ``--queries`` positions
+   ``t``, each query head attends every token ``<= t`` causally, as IceCache does with a budget
+   that covers the context: the sink (16 first tokens) and the window (32 last) exact, every
+   middle token as the 8-bit stores hold it, dequantised (int8 codes times a float32 scale per
+   (KV head, token) row, by the core's quantiser: ``HeadForest.write_pages`` into uint8 stores,
+   read back with ``PageStore.tokens``). Reported per layer: the relative L2 error
+   ``||O_int8 - O||_F / ||O||_F`` over the query heads and positions against the exact
+   attention output ``O``; for scale, the same error when the middle tokens are only rounded to
+   bfloat16 (what a bf16 KV cache costs against float32).
+2. Host bytes: ``IceCache.nbytes()["host"]`` after one ``--tokens`` prompt with each page format
+   (the model runs in float32 on the CPU, so native pages are float32 here; bf16 pages would be
+   half as large), and the page stores' bytes per offloaded token and layer.
+
+    python benches/bench_int8_pages.py [--prose 2] [--code 2] [--tokens 4096] [--queries 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_index import run_header  # noqa: E402
+
+SINK, WINDOW, PAGE = 16, 32, 16
+
+
+def dequantised_middle(k: np.ndarray, v: np.ndarray):
+    """``k``, ``v`` ``[H, n, D]`` float32 through the runtime's 8-bit page stores and back."""
+    import icecache
+    import torch
+    from icecache.runtime.pages import PageStore
+
+    H, n, D = k.shape
+    forest = icecache.HeadForest(k, page_size=PAGE, seed=0)
+    store = PageStore(H, PAGE, D, torch.float32, "int8")
+    store.reserve(forest.max_pages())
+    forest.write_pages(k, v, *store.views())
+    kd, vd = store.tokens(torch.float32)
+    out_k, out_v = np.empty_like(k), np.empty_like(v)
+    for h in range(H):
+        page, slot = forest.token_map(h)
+        out_k[h] = kd[h, page, slot].numpy()
+        out_v[h] = vd[h, page, slot].numpy()
+    return out_k, out_v
+
+
+def attention(q, k, v, positions):
+    """Causal attention output of the query rows at ``positions``: ``[H_q, len(positions), D]``."""
+    import torch
+
+    q, k, v = (torch.from_numpy(x) for x in (q, k, v))
+    Hq, T, D = q.shape
+    H = k.shape[0]
+    qg = q[:, positions].view(H, Hq // H, len(positions), D)
+    logits = torch.einsum("hgqd,htd->hgqt", qg, k) * D**-0.5
+    causal = torch.arange(T)[None, :] <= torch.as_tensor(positions)[:, None]
+    logits = logits.masked_fill(~causal, float("-inf"))
+    return torch.einsum("hgqt,htd->hgqd", torch.softmax(logits, -1), v).reshape(Hq, len(positions), D)
+
+
+def rel_l2(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def output_errors(model, docs, queries: int) -> dict:
+    """Per document: the relative L2 error of every layer, int8 and bf16 middles."""
+    import torch
+    from icecache.capture import capture_qkv
+
+    out = {}
+    for name, ids in docs:
+        qkv = capture_qkv(model, ids)
+        T = len(ids)
+        positions = list(range(T - queries, T))
+        errs = {"int8": [], "bf16": []}
+        for layer in sorted(qkv):
+            q, k, v = qkv[layer]
+            ref = attention(q, k, v, positions)
+            # Middle of the earliest position measured; later positions' extra window tokens
+            # (all <= 63 of them) stay exact, as the runtime keeps them in the window.
+            lo, hi = SINK, T - queries - WINDOW
+            km, vm = dequantised_middle(np.ascontiguousarray(k[:, lo:hi]), np.ascontiguousarray(v[:, lo:hi]))
+            k8, v8 = k.copy(), v.copy()
+            k8[:, lo:hi], v8[:, lo:hi] = km, vm
+            errs["int8"].append(rel_l2(attention(q, k8, v8, positions), ref))
+            kb, vb = k.copy(), v.copy()
+            for a in (kb, vb):
+                a[:, lo:hi] = torch.from_numpy(a[:, lo:hi]).bfloat16().float().numpy()
+            errs["bf16"].append(rel_l2(attention(q, kb, vb, positions), ref))
+        out[name] = errs
+        print(f"{name}: int8 mean {np.mean(errs['int8']):.2e} max {np.max(errs['int8']):.2e}", flush=True)
+    return out
+
+
+def host_bytes(model, ids) -> dict:
+    """``IceCache.nbytes()`` after the prompt and one decode step, per page format."""
+    import torch
+    from icecache.runtime import IceCache, IceCacheConfig
+    from icecache.runtime.layer import IceLayer
+
+    res = {}
+    for fmt in ("native", "int8"):
+        cache = IceCache(IceCacheConfig(budget=256, page_format=fmt), model)
+        with torch.inference_mode():
+            out = model(torch.tensor([ids]), cache=cache, logits_to_keep=1)
+            model(out.logits[:, -1:].argmax(-1), cache=cache)
+        cache.wait_indexed()
+        layers = [x for x in cache.layers if isinstance(x, IceLayer)]
+        offloaded = sum(len(x.indexes[0].forest) for x in layers)
+        used = sum(
+            s.k[:, : x.indexes[0].forest.max_pages()].numel() * s.k.element_size() * 2 for x in layers for s in x.stores
+        )
+        res[fmt] = dict(
+            host=cache.nbytes()["host"],
+            offloaded=offloaded,
+            layers=len(layers),
+            store_bytes_per_token_layer=used / offloaded,
+        )
+        del cache
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prose", type=int, default=2)
+    ap.add_argument("--code", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--queries", type=int, default=64, help="last positions measured per document")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    import torch
+    from icecache import models, texts
+
+    torch.set_num_threads(1)
+    model, tok = models.load_model("smollm2")
+    docs = []
+    for kind, n in (("prose", args.prose), ("code", args.code)):
+        if n:
+            ids = texts.documents(tok, n, args.tokens, seed=args.seed, kind=kind)
+            names = texts.document_sources(n, seed=args.seed, kind=kind)
+            docs += [(f"{kind}-{i} {src}", d) for i, (d, src) in enumerate(zip(ids, names))]
+    errors = output_errors(model, docs, args.queries)
+    sizes = host_bytes(model, docs[0][1])
+    header, _ = run_header("8-bit host pages on SmolLM2-135M", None)
+    lines = [header, "", "| document | int8 rel. L2 mean | int8 max (layer) | bf16 rel. L2 mean |", "|---|---|---|---|"]
+    for name, e in errors.items():
+        worst = int(np.argmax(e["int8"]))
+        lines.append(
+            f"| {name} | {np.mean(e['int8']):.2e} | {e['int8'][worst]:.2e} ({worst}) | {np.mean(e['bf16']):.2e} |"
+        )
+    all8 = [x for e in errors.values() for x in e["int8"]]
+    allb = [x for e in errors.values() for x in e["bf16"]]
+    lines.append(
+        f"| all ({len(all8)} layer-documents) | {np.mean(all8):.2e} | {np.max(all8):.2e} | {np.mean(allb):.2e} |"
+    )
+    lines += [
+        "",
+        "| page format | IceCache.nbytes() host | store bytes per offloaded token and layer |",
+        "|---|---|---|",
+    ]
+    for fmt, s in sizes.items():
+        lines.append(f"| {fmt} | {s['host'] / 2**20:.1f} MiB | {s['store_bytes_per_token_layer']:.1f} |")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
