@@ -722,6 +722,32 @@ def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse, page_fo
                     assert ((stored - want).abs() <= step * 0.5001 + 1e-7).all()
 
 
+def test_bridge_of_a_prefilled_cache_owns_its_prompt():
+    """``from_prefilled`` with the bridge: the bridged steps attend a copy of the source's
+    prompt, so changing the source in place (older transformers' ``reset`` zeroes it) changes
+    nothing."""
+    model = tiny_model("llama")
+    ids = prompt_ids(300, seed=16)
+    prefix = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(ids[:, :-1], cache=prefix)
+    full = run_steps(model, ids[:, -1:], copy.deepcopy(prefix), 6)
+    released = threading.Event()
+    cfg = IceCacheConfig(budget=1024, full_layers=1)
+    ice_cache = IceCache.from_prefilled(cfg, model, prefix)
+    ice_cache.runtime.submit(released.wait, 60)  # every step bridged
+    with torch.inference_mode():
+        for layer in prefix.layers:
+            layer.keys.zero_()
+            layer.values.zero_()
+    try:
+        ice = run_steps(model, ids[:, -1:], ice_cache, 6)
+    finally:
+        released.set()
+    assert all(layer.bridging for layer in ice_layers(ice_cache))
+    torch.testing.assert_close(ice, full, rtol=1e-5, atol=1e-5)
+
+
 def test_bridge_leaves_when_the_index_is_ready_without_waiting():
     """The first decode steps do not wait for a held index worker (each would block for the
     hold's full minute otherwise), and the step after its release leaves the bridge."""

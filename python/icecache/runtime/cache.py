@@ -160,7 +160,10 @@ class IceCache(Cache):
                     raise ValueError(f"layer {i} of cache is a sliding-window layer: it lacks the full prompt")
                 if not isinstance(theirs, CacheLayerMixin) or theirs.keys is None or theirs.values is None:
                     raise ValueError(f"layer {i} of cache holds no keys and values: run the prompt through it first")
-                mine.load_prompt(theirs.keys, theirs.values, valid)
+                k, v = theirs.keys, theirs.values
+                if ice.config.exact_until_indexed:  # the bridge keeps them: its own copy
+                    k, v = k.clone(), v.clone()
+                mine.load_prompt(k, v, valid)
             else:
                 ice.layers[i] = copy.deepcopy(theirs)
         return ice
