@@ -5,7 +5,8 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use icecache::lookahead::{
-    Elem, Flush, FollowerLane, Geometry, HostBuf, Job, LeaderLane, LookAhead, Outcome, Ready, StagingLayout, Work,
+    Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, StagingLayout,
+    Work,
 };
 use icecache::pages::{int8, PageFormat};
 use icecache::{Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
@@ -88,6 +89,17 @@ struct Meta {
     table: Vec<i32>,
     table_len: Vec<i32>,
     rows_at: usize,
+}
+
+/// One follower lane's job behind `leader`'s.
+fn follower_job(g: Geometry, staging: &mut [u8], lane: FollowerLane, leader: &Arc<JobState>) -> Job {
+    Job {
+        geometry: g,
+        ready: None,
+        staging: buf(staging),
+        work: Work::Follower { lanes: vec![lane], leader: leader.clone() },
+        keep_alive: Box::new(()),
+    }
 }
 
 fn staging_bytes(g: &Geometry, batch: usize, width: usize, capacity: usize) -> usize {
@@ -282,24 +294,15 @@ fn follower_rewrites_changed_pages_and_stages_the_leaders_plan() {
     let mut fs = vec![0u8; staging_bytes(&g, 1, width, 40)];
     let lead_flush = Flush { keys: buf(&mut new_k), values: buf(&mut new_v), tokens: S };
     let lead = worker.submit(leader_job(&mut l, &mut q, &mut ls, Some(lead_flush), width)).unwrap();
-    let job = Job {
-        geometry: g,
-        ready: None,
-        staging: buf(&mut fs),
-        work: Work::Follower {
-            lanes: vec![FollowerLane {
-                k_store: buf(&mut fk),
-                v_store: buf(&mut fv),
-                k_history: buf(&mut hk),
-                v_history: buf(&mut hv),
-                history_len: n + S,
-                flush: Some(Flush { keys: buf(&mut fnk), values: buf(&mut fnv), tokens: S }),
-            }],
-            leader: lead.clone(),
-        },
-        keep_alive: Box::new(()),
+    let lane = FollowerLane {
+        k_store: buf(&mut fk),
+        v_store: buf(&mut fv),
+        k_history: buf(&mut hk),
+        v_history: buf(&mut hv),
+        history_len: n + S,
+        flush: Some(Flush { keys: buf(&mut fnk), values: buf(&mut fnv), tokens: S }),
     };
-    let fo = worker.submit(job).unwrap().wait().unwrap();
+    let fo = worker.submit(follower_job(g, &mut fs, lane, &lead)).unwrap().wait().unwrap();
     let lo = lead.wait().unwrap();
     assert_eq!(fk, l.k_store, "follower store differs from the leader's after the insert");
     assert_eq!(fv, l.v_store);
@@ -374,24 +377,15 @@ fn int8_leader_and_follower_stage_quantised_pages() {
             keep_alive: Box::new(()),
         })
         .unwrap();
-    let job = Job {
-        geometry: g,
-        ready: None,
-        staging: buf(&mut fs),
-        work: Work::Follower {
-            lanes: vec![FollowerLane {
-                k_store: buf(&mut fk),
-                v_store: buf(&mut fv),
-                k_history: buf(&mut hk),
-                v_history: buf(&mut hv),
-                history_len: n + S,
-                flush: Some(Flush { keys: buf(&mut fnk), values: buf(&mut fnv), tokens: S }),
-            }],
-            leader: lead.clone(),
-        },
-        keep_alive: Box::new(()),
+    let lane = FollowerLane {
+        k_store: buf(&mut fk),
+        v_store: buf(&mut fv),
+        k_history: buf(&mut hk),
+        v_history: buf(&mut hv),
+        history_len: n + S,
+        flush: Some(Flush { keys: buf(&mut fnk), values: buf(&mut fnv), tokens: S }),
     };
-    let fo = worker.submit(job).unwrap().wait().unwrap();
+    let fo = worker.submit(follower_job(g, &mut fs, lane, &lead)).unwrap().wait().unwrap();
     let lo = lead.wait().unwrap();
     assert!(lo.loads > 0);
     assert_eq!(lo.end, StagingLayout::new(&g, 1, width, 40).rows_at + 2 * lo.loads * pb);

@@ -91,10 +91,12 @@ def test_cuda_ranked_attention_equals_the_cpu_reference(ranked, adaptive):
     torch.testing.assert_close(got.out.cpu(), _naive_ranked(*inputs, cpu.kept, 0.125), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("budget_mode", ["fixed", "adaptive"])
-def test_cuda_graphs_decode_like_the_eager_path(budget_mode):
-    """Replaying each layer's device step from CUDA graphs (window write, page loads, ranking,
-    attention, hand-off) gives the eager result."""
+@pytest.mark.parametrize(
+    "budget_mode, page_format", [("fixed", "native"), ("adaptive", "native"), ("adaptive", "int8")]
+)
+def test_cuda_graphs_decode_like_the_eager_path(budget_mode, page_format):
+    """Replaying each layer's device step from CUDA graphs (window write, page loads and with
+    8-bit pages their dequantisation, ranking, attention, hand-off) gives the eager result."""
     model = tiny_model("llama").cuda()
     ids, mask = _padded_batch()
     runs = []
@@ -106,29 +108,13 @@ def test_cuda_graphs_decode_like_the_eager_path(budget_mode):
             pool_pages=16,
             cuda_graphs=graphs,
             budget_mode=budget_mode,
+            page_format=page_format,
             exact_until_indexed=False,  # both runs retrieve from the first step
         )
         cache = IceCache(cfg, model)
         runs.append(run_steps(model, ids, cache, 40, attention_mask=mask))
         assert all(bool(layer._step._graphs) == graphs for layer in ice_layers(cache))
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_bridge_is_exact_then_hands_over(dtype):
-    """``exact_until_indexed`` on the GPU: steps with the index worker held attend the whole
-    cache as the full cache does; after the hand-over, retrieval with CUDA graphs, the budget
-    covering the context, stays exact."""
-    model = tiny_model("llama").cuda().to(dtype)
-    ids, mask = _padded_batch()
-    full = run_steps(model, ids, DynamicCache(config=model.config), 40, attention_mask=mask)
-    cfg = IceCacheConfig(budget=1024, full_layers=1)
-    ice, cache, bridging = _held_bridge_run(model, ids, mask, cfg, 17, 40)
-    assert [all(step) for step in bridging] == [True] * 18 + [False] * 22  # the 18th hands 17 tokens to the worker
-    if dtype == torch.float32:
-        torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
-    else:  # bf16 rounding differs between kernels; the predictions must still agree
-        assert (ice.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
 
 
 @pytest.mark.parametrize("reuse", [1, 2])
@@ -156,15 +142,18 @@ def test_cuda_int8_pages_dequantise_on_the_device(reuse, pool_checks):  # noqa: 
     assert cache.stats.pages_loaded > 0 and sum(pool_checks) > 0
 
 
-def test_cuda_int8_pages_graphs_decode_like_the_eager_path():
-    """With 8-bit pages (dequantised inside the graphs), CUDA graphs give the eager result."""
-    model = tiny_model("llama").cuda()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_bridge_is_exact_then_hands_over(dtype):
+    """``exact_until_indexed`` on the GPU: steps with the index worker held attend the whole
+    cache as the full cache does; after the hand-over, retrieval with CUDA graphs, the budget
+    covering the context, stays exact."""
+    model = tiny_model("llama").cuda().to(dtype)
     ids, mask = _padded_batch()
-    cfg = dict(
-        budget=96, full_layers=1, superset_pages=12, pool_pages=16, page_format="int8", exact_until_indexed=False
-    )
-    runs = [
-        run_steps(model, ids, IceCache(IceCacheConfig(**cfg, cuda_graphs=graphs), model), 40, attention_mask=mask)
-        for graphs in (True, False)
-    ]
-    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
+    full = run_steps(model, ids, DynamicCache(config=model.config), 40, attention_mask=mask)
+    cfg = IceCacheConfig(budget=1024, full_layers=1)
+    ice, cache, bridging = _held_bridge_run(model, ids, mask, cfg, 17, 40)
+    assert [all(step) for step in bridging] == [True] * 18 + [False] * 22  # the 18th hands 17 tokens to the worker
+    if dtype == torch.float32:
+        torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
+    else:  # bf16 rounding differs between kernels; the predictions must still agree
+        assert (ice.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
