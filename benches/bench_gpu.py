@@ -275,6 +275,31 @@ def flashinfer_ready() -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+def ice_options(name: str) -> dict:
+    """IceCacheConfig options of a variant named ``ice`` followed by any of ``-int8`` (8-bit
+    pages), ``-gv`` / ``-ov`` (group view on / one view per query head), ``-wait`` (no bridge:
+    the first step waits for the index; the prompt's device copy is freed once copied), ``-rN``
+    (refresh N), ``-eX`` (effort X), ``-tN`` (N index threads); empty for any other name."""
+    parts = name.split("-")
+    if parts[0] != "ice" or len(parts) < 2:
+        return {}
+    options: dict = {}
+    for part in parts[1:]:
+        if part == "int8":
+            options["page_format"] = "int8"
+        elif part in ("gv", "ov"):
+            options["group_view"] = part == "gv"
+        elif part == "wait":
+            options["exact_until_indexed"] = False
+        elif part[:1] in ("r", "t") and part[1:].isdigit():
+            options["refresh" if part[0] == "r" else "threads"] = int(part[1:])
+        elif part[:1] == "e" and part[1:].replace(".", "", 1).isdigit():
+            options["effort"] = float(part[1:])
+        else:
+            return {}
+    return options
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768])
@@ -310,7 +335,9 @@ def main(argv=None) -> int:
         help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode (batch 1); ice: IceCache; "
         "ice3: IceCache reuse=3; ice-r2: IceCache refresh=2; ice-tN: IceCache with N index threads; "
         "fresh: IceCache with fresh selection; ice-fixed, ice-adaptive: IceCache with that budget_mode; "
-        "ice-auto: IceCache with effort='auto' (calibrated during prefill)",
+        "ice-auto: IceCache with effort='auto' (calibrated during prefill); combinations of ice- and "
+        "-int8 (page_format), -gv/-ov (group_view on/off), -wait (exact_until_indexed=False), "
+        "-rN (refresh N), -eX (effort X), -tN (N index threads), e.g. ice-int8-gv-r2",
     )
     ap.add_argument(
         "--cprofile",
@@ -456,9 +483,11 @@ def main(argv=None) -> int:
             "ice-auto": ("IceCache effort=auto", lambda: make_ice(1, effort="auto")),
             "ice-int8": ("IceCache page_format=int8", lambda: make_ice(1, page_format="int8")),
         }
-        for v in args.variants:  # ice-tN: IceCache whose index uses N threads
-            if v.startswith("ice-t") and v[5:].isdigit():
-                makers[v] = (f"IceCache threads={v[5:]}", functools.partial(make_ice, 1, threads=int(v[5:])))
+        for v in args.variants:  # ice-tN and combinations such as ice-int8-gv-r2
+            options = ice_options(v) if v not in makers else None
+            if options:
+                label = "IceCache " + " ".join(f"{k}={x}" for k, x in options.items())
+                makers[v] = (label, functools.partial(make_ice, 1, **options))
         if "fullfi" in args.variants and (fi_error or batch > 1):
             makers.pop("fullfi")
             log(f"full (FlashInfer) variant skipped: {fi_error or 'batch > 1'}")

@@ -28,6 +28,10 @@ spread over layers.
 
     python benches/bench_lookahead_quality.py [--prose 3] [--code 3] [--tokens 6000]
         [--configs 52,1,65,32 52,1,65,0 52,2,65,32 26,1,36,32]
+
+A config is ``superset,refresh,pool,successors[,effort[,group_view]]``: ``effort`` scales the
+field of view (``HeadForest.select``'s ``effort``, default 1) and a last field of 1 makes the
+query heads of each GQA group share one field of view (``group_view``).
 """
 
 from __future__ import annotations
@@ -138,10 +142,12 @@ def run_doc(doc: dict, configs, scores: dict, name: str) -> None:
                 out.setdefault("pagemass", []).append(s.score(s.device_rank(everything)))
                 out.setdefault("pagemass adaptive", []).append(s.score(s.device_rank(everything, True)))
                 for c in configs:
-                    superset, refresh, pool, successors = c
+                    superset, refresh, pool, successors, effort, group_view = c
                     if step % refresh == 0:
                         prev = np.ascontiguousarray(Q[layer][:, t - 1 - qstart])
-                        sel, cnt = forest.select(prev, superset, scale=scale, successors=successors)
+                        sel, cnt = forest.select(
+                            prev, superset, scale=scale, successors=successors, effort=effort, group_view=group_view
+                        )
                         for h in range(Hkv):
                             resident = pools[c][h]
                             for pg in sel[h, : cnt[h]]:
@@ -149,8 +155,22 @@ def run_doc(doc: dict, configs, scores: dict, name: str) -> None:
                             while len(resident) > pool:
                                 del resident[min(resident, key=resident.get)]
                     key = f"look-ahead superset {c[0]} refresh {c[1]} pool {c[2]} successors {c[3]}"
+                    key += f" effort {effort:g}" if effort != 1 else ""
+                    key += " group view" if group_view else ""
                     out.setdefault(key, []).append(s.score(s.device_rank(pools[c])))
                     out.setdefault(f"{key} adaptive", []).append(s.score(s.device_rank(pools[c], True)))
+
+
+def parse_config(text: str) -> tuple:
+    """``superset,refresh,pool,successors[,effort[,group_view]]`` (effort 1 and no group view
+    unless given)."""
+    parts = text.split(",")
+    if not 4 <= len(parts) <= 6:
+        raise SystemExit(f"--configs: {text!r} is not superset,refresh,pool,successors[,effort[,group_view]]")
+    superset, refresh, pool, successors = (int(x) for x in parts[:4])
+    effort = float(parts[4]) if len(parts) > 4 else 1.0
+    group_view = len(parts) > 5 and parts[5] not in ("0", "")
+    return superset, refresh, pool, successors, effort, group_view
 
 
 def main(argv=None) -> int:
@@ -161,7 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=["52,1,65,32", "52,1,65,0", "52,2,65,32", "26,1,36,32"])
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "icecache" / "lookahead"))
     args = ap.parse_args(argv)
-    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    configs = [parse_config(c) for c in args.configs]
     cache_dir = Path(args.cache)
     cache_dir.mkdir(parents=True, exist_ok=True)
 

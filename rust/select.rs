@@ -1,11 +1,12 @@
 //! Page selection for one decode step (FIND-PAGE-INDEX with a GQA union; docs/ARCHITECTURE.md,
 //! section Select).
 //!
-//! Each query head searches its KV head's tree; the keys the search scores (int8 estimates of
-//! `q · k`, or exact scores in exact mode) become softmax weights over that head's middle
-//! tokens, and a page's score is the weight of all its scored keys (not just its best key).
-//! The query heads of a group share one selection: their normalised page weights are summed,
-//! so each head counts equally, and pages are ranked by the sum.
+//! Each query head searches its KV head's tree (with `group_view`, the query heads of a group
+//! search one shared field of view, so the group's keys are read once); the keys a head scores
+//! (int8 estimates of `q · k`, or exact scores in exact mode) become softmax weights over that
+//! head's middle tokens, and a page's score is the weight of all its scored keys (not just its
+//! best key). The query heads of a group share one selection: their normalised page weights
+//! are summed, so each head counts equally, and pages are ranked by the sum.
 
 use rayon::prelude::*;
 
@@ -31,6 +32,10 @@ pub struct SelectParams {
     /// the next position: attention that moves on by one token (a head copying text from the
     /// context) finds that page selected already. 0: off.
     pub successors: usize,
+    /// The query heads of a GQA group search one shared field of view (the cells each ranks
+    /// best, taken in turn) instead of one each: the group's keys are read once, not once per
+    /// query head. Ignored with `exact`.
+    pub group_view: bool,
 }
 
 impl HeadForest {
@@ -52,61 +57,71 @@ impl HeadForest {
         // Sized by the caller's max_pages, so allocated fallibly, before any work.
         let n = h.saturating_mul(p.max_pages);
         let mut pages = try_filled(n, -1i32, "the page table [H_kv, max_pages]")?;
-        let weights: Vec<Vec<f32>> = queries
-            .par_chunks_exact(d)
-            .enumerate()
+        // One task per KV head: its group's queries one after the other, so that the cells
+        // they share are read from cache (and, with `group_view`, scanned once).
+        let sums: Vec<Vec<f32>> = queries
+            .par_chunks_exact(group * d)
+            .zip(&self.heads)
             .map_init(
-                || (Scratch::default(), Vec::new(), Vec::new()),
-                |(scratch, scored, logits), (j, q)| {
-                    let hp = &self.heads[j / group];
-                    scored.clear();
+                || (Scratch::default(), Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+                |(scratch, scored, logits, w, top), (qs, hp)| {
+                    scored.resize_with(group, Vec::new);
+                    scored.iter_mut().for_each(|s: &mut Vec<_>| s.clear());
                     let effort = p.effort.unwrap_or(hp.index.config().effort);
-                    hp.index.scan_scores(q, pool, effort, p.exact, scratch, scored);
-                    logits.clear();
-                    logits.extend(scored.iter().map(|s| s.score * p.scale));
-                    let total = simd::softmax_numerators(logits);
-                    let mut w = vec![0f32; hp.pages.len()];
-                    for (s, &x) in scored.iter().zip(logits.iter()) {
-                        w[s.tag as usize] += x / total;
-                    }
-                    if p.successors > 0 {
-                        let n = p.successors.min(scored.len());
-                        let mut top: Vec<usize> = (0..scored.len()).collect();
-                        if n < top.len() {
-                            top.select_nth_unstable_by(n - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+                    if p.group_view && !p.exact {
+                        hp.index.scan_group_scores(qs, pool, effort, scratch, scored);
+                    } else {
+                        for (q, out) in qs.chunks_exact(d).zip(scored.iter_mut()) {
+                            hp.index.scan_scores(q, pool, effort, p.exact, scratch, out);
                         }
-                        for &i in &top[..n] {
-                            let next = hp.index.slot_id(scored[i].slot) as usize + 1;
-                            if let Some(&(page, _)) = hp.token_page.get(next) {
-                                w[page as usize] += logits[i] / total;
+                    }
+                    let mut sum = vec![0f32; hp.pages.len()];
+                    for scored in scored.iter() {
+                        logits.clear();
+                        logits.extend(scored.iter().map(|s| s.score * p.scale));
+                        let total = simd::softmax_numerators(logits);
+                        w.clear();
+                        w.resize(hp.pages.len(), 0f32);
+                        for (s, &x) in scored.iter().zip(logits.iter()) {
+                            w[s.tag as usize] += x / total;
+                        }
+                        if p.successors > 0 {
+                            let n = p.successors.min(scored.len());
+                            top.clear();
+                            top.extend(0..scored.len());
+                            if n < top.len() {
+                                top.select_nth_unstable_by(n - 1, |&a: &usize, &b: &usize| {
+                                    logits[b].total_cmp(&logits[a])
+                                });
+                            }
+                            for &i in &top[..n] {
+                                let next = hp.index.slot_id(scored[i].slot) as usize + 1;
+                                if let Some(&(page, _)) = hp.token_page.get(next) {
+                                    w[page as usize] += logits[i] / total;
+                                }
                             }
                         }
+                        sum.iter_mut().zip(w.iter()).for_each(|(a, b)| *a += b);
                     }
-                    w
+                    sum
                 },
             )
             .collect();
         let mut counts = vec![0i32; h];
-        pages.par_chunks_mut(p.max_pages).zip(counts.par_iter_mut()).zip(weights.par_chunks(group)).for_each(
-            |((out, count), ws)| {
-                let mut sum = ws[0].clone();
-                for w in &ws[1..] {
-                    sum.iter_mut().zip(w).for_each(|(a, b)| *a += b);
-                }
-                let mut ranked: Vec<(f32, u32)> =
-                    sum.iter().enumerate().filter(|(_, &w)| w > 0.0).map(|(i, &w)| (w, i as u32)).collect();
-                let best_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-                if ranked.len() > p.max_pages {
-                    ranked.select_nth_unstable_by(p.max_pages - 1, best_first);
-                    ranked.truncate(p.max_pages);
-                }
-                ranked.sort_unstable_by(best_first);
-                for (o, &(_, page)) in out.iter_mut().zip(&ranked) {
-                    *o = page as i32;
-                }
-                *count = ranked.len() as i32;
-            },
-        );
+        pages.par_chunks_mut(p.max_pages).zip(counts.par_iter_mut()).zip(sums).for_each(|((out, count), sum)| {
+            let mut ranked: Vec<(f32, u32)> =
+                sum.iter().enumerate().filter(|(_, &w)| w > 0.0).map(|(i, &w)| (w, i as u32)).collect();
+            let best_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+            if ranked.len() > p.max_pages {
+                ranked.select_nth_unstable_by(p.max_pages - 1, best_first);
+                ranked.truncate(p.max_pages);
+            }
+            ranked.sort_unstable_by(best_first);
+            for (o, &(_, page)) in out.iter_mut().zip(&ranked) {
+                *o = page as i32;
+            }
+            *count = ranked.len() as i32;
+        });
         Ok((pages, counts))
     }
 }

@@ -110,8 +110,9 @@ fn exact_selection_matches_reference() {
     let q = keys(1, h * g, d, 9);
     let scale = 0.25;
     let max_pages = 7;
-    let (pages, counts) =
-        f.select(&q, SelectParams { max_pages, scale, effort: Some(1.0), exact: true, successors: 0 }).unwrap();
+    let (pages, counts) = f
+        .select(&q, SelectParams { max_pages, scale, effort: Some(1.0), exact: true, successors: 0, group_view: false })
+        .unwrap();
     for kv in 0..h {
         let np = f.num_pages(kv).unwrap();
         let mut mass = vec![0f64; np];
@@ -142,7 +143,7 @@ fn exact_selection_matches_reference() {
     }
 }
 
-/// A budget covering every page selects every page, in both modes.
+/// A budget covering every page selects every page, in every mode.
 #[test]
 fn full_budget_selects_all_pages() {
     let (h, n, d, s) = (2, 400, 8, 8);
@@ -150,16 +151,80 @@ fn full_budget_selects_all_pages() {
     let f = forest(&k, h, d, s);
     let q = keys(1, 4, d, 5);
     let max_pages = f.max_pages() + 3;
-    for exact in [true, false] {
-        let (pages, counts) =
-            f.select(&q, SelectParams { max_pages, scale: 0.1, effort: Some(100.0), exact, successors: 0 }).unwrap();
+    for (exact, group_view) in [(true, false), (false, false), (false, true)] {
+        let params = SelectParams { max_pages, scale: 0.1, effort: Some(100.0), exact, successors: 0, group_view };
+        let (pages, counts) = f.select(&q, params).unwrap();
         for kv in 0..h {
             let np = f.num_pages(kv).unwrap();
-            assert_eq!(counts[kv] as usize, np, "exact={exact}");
+            assert_eq!(counts[kv] as usize, np, "exact={exact} group_view={group_view}");
             let got: HashSet<i32> = pages[kv * max_pages..kv * max_pages + np].iter().copied().collect();
             assert_eq!(got, (0..np as i32).collect::<HashSet<_>>());
             assert!(pages[kv * max_pages + np..(kv + 1) * max_pages].iter().all(|&p| p == -1));
         }
+    }
+}
+
+/// With a field of view of every cell, a shared (group) view scores the same keys with the same
+/// int8 estimates as each query head's own, so it ranks the same pages; with a small field of
+/// view it still returns a valid ranking of at most `max_pages` distinct pages per KV head.
+#[test]
+fn group_view_ranks_like_own_views_when_both_see_everything() {
+    let (h, g, n, d, s) = (2, 4, 3000, 16, 16);
+    let k = keys(h, n, d, 12);
+    let f = forest(&k, h, d, s);
+    let q = keys(1, h * g, d, 13);
+    let max_pages = 9;
+    let params =
+        SelectParams { max_pages, scale: 0.25, effort: Some(1000.0), exact: false, successors: 4, group_view: false };
+    let own = f.select(&q, params).unwrap();
+    let shared = f.select(&q, SelectParams { group_view: true, ..params }).unwrap();
+    assert_eq!(own, shared);
+    // A group of identical query heads: the shared view is each head's own (the same cells),
+    // not more and not fewer.
+    let same: Vec<f32> = (0..h * g).flat_map(|j| q[(j / g) * g * d..((j / g) * g + 1) * d].to_vec()).collect();
+    for effort in [0.05, 0.5] {
+        let small = SelectParams { effort: Some(effort), ..params };
+        assert_eq!(
+            f.select(&same, small).unwrap(),
+            f.select(&same, SelectParams { group_view: true, ..small }).unwrap()
+        );
+    }
+    for effort in [0.05, 0.5] {
+        let (pages, counts) = f.select(&q, SelectParams { effort: Some(effort), group_view: true, ..params }).unwrap();
+        for kv in 0..h {
+            let c = counts[kv] as usize;
+            assert!(c >= 1 && c <= max_pages, "effort {effort}: count {c}");
+            let row = &pages[kv * max_pages..(kv + 1) * max_pages];
+            let distinct: HashSet<i32> = row[..c].iter().copied().collect();
+            assert_eq!(distinct.len(), c);
+            assert!(row[..c].iter().all(|&p| p >= 0 && (p as usize) < f.num_pages(kv).unwrap()));
+            assert!(row[c..].iter().all(|&p| p == -1));
+        }
+    }
+}
+
+/// A shared view takes each query head's best cells in turn: two heads of a group that look in
+/// opposite directions both find the page of their own best key, as each does alone.
+#[test]
+fn group_view_serves_every_head_of_the_group() {
+    let (h, g, n, d, s) = (1, 2, 3000, 16, 16);
+    let k = keys(h, n, d, 21);
+    let f = forest(&k, h, d, s);
+    let q1 = keys(1, 1, d, 22);
+    let q: Vec<f32> = q1.iter().copied().chain(q1.iter().map(|x| -x)).collect();
+    let best_page = |j: usize| {
+        let dot = |t: usize| (0..d).map(|x| q[j * d + x] * k[t * d + x]).sum::<f32>();
+        let best = (0..n).max_by(|&a, &b| dot(a).total_cmp(&dot(b))).unwrap();
+        f.token_map(0).unwrap()[best].0 as i32
+    };
+    let params =
+        SelectParams { max_pages: 4, scale: 4.0, effort: Some(0.5), exact: false, successors: 0, group_view: true };
+    let (pages, counts) = f.select(&q, params).unwrap();
+    let got = &pages[..counts[0] as usize];
+    for j in 0..g {
+        let (alone, c) = f.select(&q[j * d..(j + 1) * d], SelectParams { group_view: false, ..params }).unwrap();
+        assert!(alone[..c[0] as usize].contains(&best_page(j)), "head {j} alone misses its best page");
+        assert!(got.contains(&best_page(j)), "the shared view misses head {j}'s best page: {got:?}");
     }
 }
 
@@ -217,7 +282,8 @@ fn bad_input_changes_nothing() {
     assert!(HeadForest::build(KeyData::F32(&k), h, Config::new(d, Metric::L2), 8).is_err(), "metric");
     let mut f = forest(&k, h, d, s);
     let q = keys(1, 3, d, 8);
-    let ok = SelectParams { max_pages: 4, scale: 0.3, effort: Some(1.0), exact: false, successors: 0 };
+    let ok =
+        SelectParams { max_pages: 4, scale: 0.3, effort: Some(1.0), exact: false, successors: 0, group_view: false };
     assert!(f.select(&q, ok).is_err(), "3 query heads for 2 KV heads");
     let q4 = keys(1, 4, d, 8);
     assert!(f.select(&q4, SelectParams { max_pages: 0, ..ok }).is_err());
@@ -294,7 +360,10 @@ fn sizes_beyond_the_data_are_errors_or_cost_nothing() {
     let f = forest(&keys(h, 100, d, 1), h, d, 8);
     let q = keys(1, 4, d, 2);
     for max_pages in [1 << 60, usize::MAX] {
-        let r = f.select(&q, SelectParams { max_pages, scale: 0.3, effort: Some(1.0), exact: false, successors: 0 });
+        let r = f.select(
+            &q,
+            SelectParams { max_pages, scale: 0.3, effort: Some(1.0), exact: false, successors: 0, group_view: false },
+        );
         assert!(matches!(r, Err(icecache::Error::Memory(_))), "max_pages {max_pages}");
     }
 }
@@ -330,7 +399,8 @@ fn calibrate_sets_each_heads_effort_and_selection_uses_it() {
         assert!(c.reached && c.queries == group * nq && c.k == 50, "{c:?}");
     }
     // `effort: None` selects each head at its own effort, step after step.
-    let params = SelectParams { max_pages: 2, scale: 0.25, effort: None, exact: false, successors: 0 };
+    let params =
+        SelectParams { max_pages: 2, scale: 0.25, effort: None, exact: false, successors: 0, group_view: false };
     let mut differs = false;
     for i in 0..nq {
         let step: Vec<f32> = (0..h * group).flat_map(|j| q[(j * nq + i) * d..(j * nq + i + 1) * d].to_vec()).collect();

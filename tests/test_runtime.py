@@ -585,16 +585,17 @@ def test_budget_covering_context_equals_full_cache(arch, reuse, lookahead, budge
 
 
 @pytest.mark.parametrize(
-    "reuse, lookahead, refresh, budget_mode",
+    "reuse, lookahead, refresh, budget_mode, group_view",
     [
-        (1, True, 1, "fixed"),
-        (2, True, 1, "fixed"),
-        (1, False, 1, "fixed"),
-        (2, True, 3, "fixed"),
-        (1, False, 1, "adaptive"),
+        (1, True, 1, "fixed", False),
+        (2, True, 1, "fixed", False),
+        (1, False, 1, "fixed", False),
+        (2, True, 3, "fixed", False),
+        (1, False, 1, "adaptive", False),
+        (1, True, 1, "adaptive", True),
     ],
 )
-def test_long_generation_inserts_evicts_and_reloads(reuse, lookahead, refresh, budget_mode, pool_checks):
+def test_long_generation_inserts_evicts_and_reloads(reuse, lookahead, refresh, budget_mode, group_view, pool_checks):
     """Small budget and pool: pages are selected, evicted, changed by inserts and reloaded;
     whenever a layer applies a host job, its pool holds exactly the pages the residency map
     says, as in the CPU stores."""
@@ -610,6 +611,7 @@ def test_long_generation_inserts_evicts_and_reloads(reuse, lookahead, refresh, b
         lookahead=lookahead,
         refresh=refresh,
         budget_mode=budget_mode,
+        group_view=group_view,
     )
     cache = IceCache(cfg, model, track_recall=True)
     steps = 96
@@ -1098,6 +1100,21 @@ def test_int8_pages_halve_the_host_store_bytes():
         per_token[fmt] = stores / (pages * 16)
     assert per_token["native"] == 2 * 2 * 16 * 4  # K and V, 2 KV heads, D = 16, float32
     assert per_token["int8"] == 2 * 2 * (16 + 4)
+
+
+def test_host_bytes_count_the_indexes():
+    """``IceCache.nbytes()["host"]`` counts every index (``HeadForest.nbytes``: its key copy,
+    codes and cells) besides the page stores: the index of a token outweighs its int8 K and V."""
+    model = tiny_model("llama")
+    cache = IceCache(IceCacheConfig(budget=96, full_layers=1, page_format="int8"), model)
+    run_steps(model, prompt_ids(600, seed=8), cache, 2)
+    layers = ice_layers(cache)
+    stores = sum(s.k.numel() * s.k.element_size() * 2 for layer in layers for s in layer.stores)
+    indexes = sum(ix.forest.nbytes() for layer in layers for ix in layer.indexes)
+    # float32 keys alone: 4 bytes per value, against (D + 4) / D bytes in an int8 page
+    assert indexes > stores > 0
+    buffers = sum(layer._bufs.nbytes() for layer in layers) + cache.runtime.transit.nbytes()
+    assert cache.nbytes()["host"] == stores + indexes + buffers
 
 
 def test_int8_pages_of_a_prompt_within_sink_and_window(pool_checks):

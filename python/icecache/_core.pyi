@@ -261,6 +261,10 @@ class HeadForest:
         """Pages of ``head`` (numbered ``0..num_pages``; pages are never freed)."""
     def max_pages(self) -> int:
         """Largest ``num_pages`` over the heads: the page stores need at least this many."""
+    def nbytes(self) -> int:
+        """Approximate host bytes of the trees and page layouts: each index's float32 key copy,
+        int8 codes, projections and cells, each page's token list. The page stores, which the
+        caller owns, are not counted."""
     def page_tokens(self, head: int, page: int) -> npt.NDArray[np.int64]:
         """Token positions in ``page`` of ``head``, in slot order (at most ``page_size``)."""
     def token_map(self, head: int) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
@@ -283,6 +287,7 @@ class HeadForest:
         effort: Optional[float] = None,
         exact: bool = False,
         successors: int = 0,
+        group_view: bool = False,
     ) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
         """Pages for one decode step: ``queries`` is ``[H_q, d]`` (``H_q`` a multiple of ``H_kv``;
         query head ``j`` belongs to KV head ``j // (H_q // H_kv)``). Returns ``(pages, counts)``:
@@ -292,7 +297,12 @@ class HeadForest:
         ``effort``: the search effort of every head; ``None``: each head's own (``efforts``, as
         ``calibrate`` set them). ``successors``: the weight of each query head's ``successors``
         heaviest keys also goes to the page holding the next position (for selecting a step
-        ahead: a head that copies text attends one token further on at the next step)."""
+        ahead: a head that copies text attends one token further on at the next step).
+        ``group_view``: the query heads of a group search one shared field of view instead of
+        one each: the leaf cells each head ranks best, taken in turn (every head's best, then
+        every head's second best, ...) until the view holds as many cells as one head's own;
+        every head of the group scores every key in it. The group's keys are read once instead
+        of once per query head. Ignored with ``exact``."""
     def calibrate(
         self,
         queries: npt.ArrayLike,
@@ -432,8 +442,9 @@ class LookAheadLayer:
     Args:
         worker: the :class:`LookAhead` that runs the jobs.
         max_pages: pages selected per (sequence, KV head).
-        scale, effort, successors: as for :meth:`HeadForest.select` (``effort=None``: each KV
-            head's own, ``HeadForest.efforts``, as the constructor or ``calibrate`` set them).
+        scale, effort, successors, group_view: as for :meth:`HeadForest.select`
+            (``effort=None``: each KV head's own, ``HeadForest.efforts``, as the constructor or
+            ``calibrate`` set them).
         refresh: queued jobs select anew every ``refresh`` jobs, and whenever tokens were
             flushed; the others only insert (jobs run now always select).
         page_format: ``"native"``: the stores hold the flushed tokens' dtype; ``"int8"``: uint8
@@ -459,6 +470,7 @@ class LookAheadLayer:
         refresh: int = 1,
         leader: Optional[LookAheadLayer] = None,
         page_format: str = "native",
+        group_view: bool = False,
     ) -> Self: ...
     def set_lane(
         self,

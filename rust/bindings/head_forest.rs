@@ -122,6 +122,11 @@ impl PyHeadForest {
         entry(|| self.inner.view(py, |f| Ok(f.max_pages())))
     }
 
+    /// Approximate heap bytes of the trees and page layouts (not the page stores).
+    fn nbytes(&self, py: Python<'_>) -> PyResult<usize> {
+        entry(|| self.inner.view(py, |f| Ok(f.nbytes())))
+    }
+
     /// Token positions in ``page`` of ``head``, in slot order.
     fn page_tokens<'py>(
         &self,
@@ -199,7 +204,7 @@ impl PyHeadForest {
     }
 
     /// Pages for one decode step: ``(pages [H_kv, max_pages] int32, counts [H_kv] int32)``.
-    #[pyo3(signature = (queries, max_pages, *, scale = None, effort = None, exact = false, successors = 0))]
+    #[pyo3(signature = (queries, max_pages, *, scale = None, effort = None, exact = false, successors = 0, group_view = false))]
     #[allow(clippy::too_many_arguments)]
     fn select<'py>(
         &self,
@@ -210,6 +215,7 @@ impl PyHeadForest {
         effort: Option<f32>,
         exact: bool,
         #[pyo3(from_py_with = sizes::successors)] successors: usize,
+        group_view: bool,
     ) -> PyResult<(NdArray2<'py, i32>, NdArray1<'py, i32>)> {
         entry(|| {
             let (q, _) = Keys::extract(queries, "queries", self.dim)?;
@@ -223,6 +229,7 @@ impl PyHeadForest {
                     effort,
                     exact,
                     successors,
+                    group_view,
                 };
                 on_pool(pool, true, || f.select(&q.to_f32_vec(), params))
             })?;

@@ -221,7 +221,7 @@ impl PyLookAheadLayer {
 impl PyLookAheadLayer {
     /// See ``icecache/_core.pyi``.
     #[new]
-    #[pyo3(signature = (worker, queries, flag, flush_k, flush_v, staging, *, kv_heads, page_size, max_pages, scale, effort = None, successors = 0, refresh = 1, leader = None, page_format = "native"))]
+    #[pyo3(signature = (worker, queries, flag, flush_k, flush_v, staging, *, kv_heads, page_size, max_pages, scale, effort = None, successors = 0, refresh = 1, leader = None, page_format = "native", group_view = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         worker: PyRef<'_, PyLookAhead>,
@@ -239,6 +239,7 @@ impl PyLookAheadLayer {
         #[pyo3(from_py_with = sizes::refresh)] refresh: usize,
         leader: Option<Py<PyLookAheadLayer>>,
         page_format: &str,
+        group_view: bool,
     ) -> PyResult<Self> {
         entry(|| {
             let format = self::page_format(page_format)?;
@@ -283,7 +284,7 @@ impl PyLookAheadLayer {
                 leader,
                 geometry,
                 batch,
-                select: SelectParams { max_pages, scale, effort, exact: false, successors },
+                select: SelectParams { max_pages, scale, effort, exact: false, successors, group_view },
                 refresh: refresh as u64,
                 queries: qb,
                 flag: fb,

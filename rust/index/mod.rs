@@ -391,11 +391,13 @@ impl DciIndex {
             }
         }
         let f = std::mem::size_of::<f32>();
-        let mut bytes = (self.keys.len() + self.sq_norms.len() + self.proj.len() + self.dirs.len()) * f
-            + self.ids.len() * 8
-            + self.tags.len() * 4
-            + self.level.len()
-            + self.id_map.len() * 16;
+        // Capacities, not lengths: the memory held (a bulk build reserves room for inserts).
+        let mut bytes = (self.keys.capacity() + self.sq_norms.capacity() + self.proj.capacity() + self.dirs.capacity())
+            * f
+            + self.ids.capacity() * 8
+            + self.tags.capacity() * 4
+            + self.level.capacity()
+            + self.id_map.capacity() * 16;
         bytes += self.tiers.iter().map(|t| t.bytes()).sum::<usize>();
         Stats {
             len: self.len,

@@ -32,7 +32,14 @@ pub(crate) struct Scored {
 pub struct Scratch {
     descent: Descent,
     covers: Vec<usize>,
+    /// The leaf cells to scan, and (group view) each query's own, best first.
+    view: Vec<u32>,
+    lists: Vec<Vec<u32>>,
+    /// Marks the cells already in a group's view; all false between calls.
+    in_view: Vec<bool>,
+    /// Quantised queries `[G, d]` and their scales.
     qcode: Vec<i8>,
+    qscales: Vec<f32>,
     dots: Vec<i32>,
     qproj: Vec<f32>,
     pdci: PdciScratch,
@@ -182,12 +189,20 @@ impl DciIndex {
     /// large one. Calls `emit(estimate, slot, tag)` for each, cell by cell. The field of view
     /// covers at least `pool` keys.
     fn scan_view(&self, q: &[f32], pool: usize, effort: f32, s: &mut Scratch, mut emit: impl FnMut(f32, u32, u32)) {
-        let d = self.cfg.dim;
+        self.view_cells(q, pool, effort, s, false);
+        let view = std::mem::take(&mut s.view);
+        self.scan_cells(q, &view, effort, s, |_, v, slot, tag| emit(v, slot, tag));
+        s.view = view;
+    }
+
+    /// The leaf cells in `q`'s field of view (enough cells for `pool` keys, and more with
+    /// `effort`), into `s.view`: best route score first when `ordered`, else in the descent's
+    /// order.
+    fn view_cells(&self, q: &[f32], pool: usize, effort: f32, s: &mut Scratch, ordered: bool) {
         let top = self.tiers.len() - 1;
         let leaves = &self.tiers[0];
         let n0 = leaves.live_cells();
         let avg0 = leaves.num_members as f32 / n0 as f32;
-        // Field of view at the leaves: enough cells for the pool, and more with effort.
         let min_cells = (pool as f32 / avg0).ceil() as usize + 1;
         let fov = ((FOV_SCALE * (n0 as f32).sqrt() * effort).ceil() as usize).max(min_cells).min(n0);
 
@@ -207,44 +222,120 @@ impl DciIndex {
             cells.select_nth_unstable_by(fov - 1, |a, b| b.0.total_cmp(&a.0));
             cells.truncate(fov);
         }
+        if ordered {
+            cells.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        }
+        s.view.clear();
+        s.view.extend(cells.iter().map(|&(_, cell)| cell));
+    }
 
-        // First pass: int8 scores, streamed cell by cell.
-        s.qcode.resize(d, 0);
-        let qscale = simd::quantize_i8(q, &mut s.qcode);
-        for &(_, cell) in cells.iter() {
+    /// int8 estimates of `q · k` (relative to `code_center`) of each query of `queries`
+    /// (`[G, d]`) with the keys of the leaf cells `cells`: every member of a small cell, each
+    /// query's P-DCI picks in a large one. Calls `emit(query, estimate, slot, tag)`, cell by cell,
+    /// the queries of a cell one after the other (the cell's codes stay in cache between them).
+    fn scan_cells(
+        &self,
+        queries: &[f32],
+        cells: &[u32],
+        effort: f32,
+        s: &mut Scratch,
+        mut emit: impl FnMut(usize, f32, u32, u32),
+    ) {
+        let d = self.cfg.dim;
+        let g = queries.len() / d;
+        let leaves = &self.tiers[0];
+        s.qcode.resize(g * d, 0);
+        s.qscales.clear();
+        for (q, code) in queries.chunks_exact(d).zip(s.qcode.chunks_exact_mut(d)) {
+            s.qscales.push(simd::quantize_i8(q, code));
+        }
+        s.qproj.clear();
+        for &cell in cells {
             let c = &leaves.cells[cell as usize];
             let n = c.members.len();
             s.dots.resize(n, 0);
-            if n >= self.cfg.pdci_min_cell {
-                if s.qproj.is_empty() {
-                    self.query_proj(q, &mut s.qproj);
-                }
-                let budget = ((n as f32 * PDCI_SHARE * effort).ceil() as usize).clamp(1, n);
-                s.picked.clear();
-                self.pdci_candidates(c, &s.qproj, budget, &mut s.pdci, &mut s.picked);
-                for &pos in &s.picked {
-                    let p = pos as usize;
-                    simd::dot_rows_i8(&s.qcode, &c.codes[p * d..(p + 1) * d], &mut s.dots[..1]);
-                    emit(s.dots[0] as f32 * qscale * c.scales[p], c.members[p], c.tags[p]);
-                }
-            } else {
-                simd::dot_rows_i8(&s.qcode, &c.codes, &mut s.dots);
-                for (((&dot, &scale), &slot), &tag) in s.dots.iter().zip(&c.scales).zip(&c.members).zip(&c.tags) {
-                    emit(dot as f32 * qscale * scale, slot, tag);
+            for (j, (qcode, &qscale)) in s.qcode.chunks_exact(d).zip(&s.qscales).enumerate() {
+                if n >= self.cfg.pdci_min_cell {
+                    if s.qproj.is_empty() {
+                        for q in queries.chunks_exact(d) {
+                            self.query_proj(q, &mut s.qproj);
+                        }
+                    }
+                    let nd = self.cfg.num_dirs();
+                    let budget = ((n as f32 * PDCI_SHARE * effort).ceil() as usize).clamp(1, n);
+                    s.picked.clear();
+                    self.pdci_candidates(c, &s.qproj[j * nd..(j + 1) * nd], budget, &mut s.pdci, &mut s.picked);
+                    for &pos in &s.picked {
+                        let p = pos as usize;
+                        simd::dot_rows_i8(qcode, &c.codes[p * d..(p + 1) * d], &mut s.dots[..1]);
+                        emit(j, s.dots[0] as f32 * qscale * c.scales[p], c.members[p], c.tags[p]);
+                    }
+                } else {
+                    simd::dot_rows_i8(qcode, &c.codes, &mut s.dots);
+                    for (((&dot, &scale), &slot), &tag) in s.dots.iter().zip(&c.scales).zip(&c.members).zip(&c.tags) {
+                        emit(j, dot as f32 * qscale * scale, slot, tag);
+                    }
                 }
             }
         }
         s.qproj.clear();
     }
 
-    /// Projections of the transformed query onto the P-DCI directions.
+    /// `scan_scores` for the query heads of one GQA group (`queries` `[G, d]`) sharing one field
+    /// of view: the leaf cells each query ranks best, taken in turn (every query's best cell,
+    /// then every query's second best, ...) until the view holds as many cells as one query's
+    /// own, so the group reads one field of view's codes instead of `G`. Every query scores every
+    /// key in the shared view; `out[j]` receives query `j`'s scores.
+    pub(crate) fn scan_group_scores(
+        &self,
+        queries: &[f32],
+        pool: usize,
+        effort: f32,
+        s: &mut Scratch,
+        out: &mut [Vec<Scored>],
+    ) {
+        debug_assert_eq!(self.cfg.metric, Metric::InnerProduct);
+        let d = self.cfg.dim;
+        let mut lists = std::mem::take(&mut s.lists);
+        lists.clear();
+        let mut fov = 0;
+        for q in queries.chunks_exact(d) {
+            self.view_cells(q, pool, effort, s, true);
+            fov = fov.max(s.view.len());
+            lists.push(std::mem::take(&mut s.view));
+        }
+        s.in_view.resize(self.tiers[0].cells.len(), false);
+        let mut view = Vec::with_capacity(fov);
+        'fill: for rank in 0..fov {
+            for list in &lists {
+                if let Some(&cell) = list.get(rank) {
+                    if !std::mem::replace(&mut s.in_view[cell as usize], true) {
+                        view.push(cell);
+                        if view.len() == fov {
+                            break 'fill;
+                        }
+                    }
+                }
+            }
+        }
+        for &cell in &view {
+            s.in_view[cell as usize] = false;
+        }
+        let shifts: Vec<f32> = queries.chunks_exact(d).map(|q| simd::dot(q, &self.code_center)).collect();
+        self.scan_cells(queries, &view, effort, s, |j, v, slot, tag| {
+            out[j].push(Scored { score: v + shifts[j], tag, slot })
+        });
+        s.view = view;
+        s.lists = lists;
+    }
+
+    /// Appends the projections of the transformed query onto the P-DCI directions to `out`.
     fn query_proj(&self, q: &[f32], out: &mut Vec<f32>) {
         let d = self.cfg.dim;
         let norm = match self.cfg.metric {
             Metric::InnerProduct => simd::dot(q, q).sqrt().max(f32::MIN_POSITIVE),
             Metric::L2 => 1.0,
         };
-        out.clear();
         out.extend(self.dirs.chunks_exact(d + 1).map(|u| simd::dot(q, &u[..d]) / norm));
     }
 

@@ -287,6 +287,24 @@ impl HeadForest {
         Ok(found)
     }
 
+    /// Approximate heap bytes of the trees and page layouts (the index's key copy, codes,
+    /// projections and cells; each page's token list and key sum; the position map). The page
+    /// stores are the caller's and not counted.
+    pub fn nbytes(&self) -> usize {
+        self.heads
+            .iter()
+            .map(|hp| {
+                let pages: usize = hp.pages.iter().map(|p| p.capacity() * 4 + std::mem::size_of::<Vec<u32>>()).sum();
+                let cells: usize = hp.cell_pages.values().map(|p| p.capacity() * 4 + 32).sum();
+                hp.index.stats().bytes
+                    + pages
+                    + cells
+                    + hp.token_page.capacity() * std::mem::size_of::<(u32, u32)>()
+                    + hp.page_sum.capacity() * 4
+            })
+            .sum()
+    }
+
     pub fn max_pages(&self) -> usize {
         self.heads.iter().map(|h| h.pages.len()).max().unwrap_or(0)
     }

@@ -182,7 +182,8 @@ class IceCache(Cache):
     def nbytes(self) -> dict:
         """KV bytes held now: ``{"device": ..., "host": ...}``. Device bytes are every layer's
         on-device cache (full and sliding layers' caches; sinks, windows and page pools of
-        IceCache layers); host bytes are the CPU page stores, staging and transit buffers."""
+        IceCache layers); host bytes are the CPU page stores, the indexes (trees and page
+        layouts, ``HeadForest.nbytes``), staging and transit buffers."""
         total = {"device": 0, "host": self.runtime.transit.nbytes()}
         for layer in self.layers:
             if isinstance(layer, IceLayer):

@@ -116,6 +116,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
     "cuda_graphs": _bool,
     "pool_pages": _optional(_non_negative_int),
     "effort": _effort,
+    "group_view": _bool,
     "num_simple": _optional(_index_parameter("num_simple")),
     "num_composite": _optional(_index_parameter("num_composite")),
     "promotion": _optional(_index_parameter("promotion")),
@@ -209,6 +210,15 @@ class IceCacheConfig:
             SmolLM2 layer at 4k tokens on one CPU core; at the Llama-8B shape and 32k tokens on
             an H200 host, 26 s more before the first decode step, and slower steps at the higher
             efforts chosen.
+        group_view: the query heads of each GQA group search one shared field of view (the
+            cells each head ranks best, taken in turn, as many as one head's own view) instead
+            of one each, so selection reads each KV head's keys in view once per step rather
+            than once per query head (``HeadForest.select``'s ``group_view``). For host-bound
+            serving: measured on an H200 host (benches/RESULTS.md), a layer step's selections
+            for 8 sequences take 0.74x the time and decode at batch 8 x 32k runs at twice the
+            tokens/s; attention recall on SmolLM2 prose and code within 0.001 of one view per
+            head on average, but in one planted-line test (a 4k prompt, budget 256) the shared
+            view lost a token of the line that one view per head retrieves, so it is opt-in.
         num_simple, num_composite, promotion, seed, threads: index parameters, passed
             to :class:`icecache.HeadForest` (``None``: the index's defaults). ``threads=None``
             is all cores in a single process; under ``torch.distributed`` with several ranks
@@ -238,6 +248,7 @@ class IceCacheConfig:
     cuda_graphs: bool = True
     pool_pages: Optional[int] = None
     effort: Union[float, Literal["auto"]] = 1.0
+    group_view: bool = False
     num_simple: Optional[int] = None
     num_composite: Optional[int] = None
     promotion: Union[float, Sequence[float], None] = None

@@ -671,6 +671,7 @@ class IceLayer(CacheLayerMixin):
             refresh=cfg.refresh,
             leader=leader_jobs,
             page_format=cfg.page_format,
+            group_view=cfg.group_view,
         )
         for b in range(self.batch):
             if self.leader is None:
@@ -880,7 +881,8 @@ class IceLayer(CacheLayerMixin):
 
     def nbytes(self) -> dict:
         """Bytes held on the device (sink, window, page pool; the bridge's whole cache while it
-        lasts) and in host memory (stores)."""
+        lasts) and in host memory (page stores, the indexes, a follower's history, the decode
+        steps' buffers)."""
         if not self.is_initialized:
             return {"device": 0, "host": 0}
         self.runtime.wait_indexed()
@@ -888,7 +890,9 @@ class IceLayer(CacheLayerMixin):
         if self._bridge is not None:
             dev += 2 * self._bridge.k.numel() * self._bridge.k.element_size()
         host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
-        if self.leader is not None:
+        if self.leader is None:
+            host += sum(ix.forest.nbytes() for ix in self.indexes if ix.forest is not None)
+        else:
             host += sum(h.k.numel() * h.k.element_size() * 2 for h in self.histories)
         if getattr(self, "_bufs", None) is not None:
             host += self._bufs.nbytes()

@@ -288,11 +288,12 @@ def _sel_device_ranked(
 ) -> List[Selection]:
     """The runtime's choice with fresh selection: ``HeadForest.select`` picks a superset of
     ``max(4 n, 32)`` pages per KV head (``IceCacheConfig.selected_pages``) with this step's
-    queries, which the device ranks by exact group mass, each query head's softmax taken over
-    the superset, sink and window tokens as on the device; fixed: each head's ``n`` heaviest,
+    queries and the runtime's default ``group_view``, which the device ranks by exact group
+    mass, each query head's softmax taken over the superset, sink and window tokens as on the
+    device; fixed: each head's ``n`` heaviest,
     ``adaptive``: the ``H_kv * n`` pages of all heads with the largest share of their head's
     superset mass (``budget_mode="adaptive"``)."""
-    from icecache.runtime.config import SUPERSET_FACTOR, SUPERSET_MIN
+    from icecache.runtime.config import SUPERSET_FACTOR, SUPERSET_MIN, IceCacheConfig
 
     f = ctx.forests("default")
     H_kv, G, D = ctx.qg.shape
@@ -304,7 +305,13 @@ def _sel_device_ranked(
             out.append(([np.zeros(0, np.int64)] * H_kv, np.zeros(H_kv), np.zeros(H_kv)))
             continue
         t0 = time.perf_counter()
-        sel, counts = f.hf.select(queries, max(SUPERSET_FACTOR * n, SUPERSET_MIN), scale=scale, effort=effort)
+        sel, counts = f.hf.select(
+            queries,
+            max(SUPERSET_FACTOR * n, SUPERSET_MIN),
+            scale=scale,
+            effort=effort,
+            group_view=IceCacheConfig.group_view,
+        )
         timings["select_s"] = timings.get("select_s", 0.0) + time.perf_counter() - t0
         ranked, masses = [], []
         for h in range(H_kv):
