@@ -351,8 +351,11 @@ mod vnni {
     /// The query stays in four registers: head dimensions up to 256.
     pub(super) const MAX_DIM: usize = 256;
 
-    /// AVX-512 VNNI: `vpdpbusd` multiplies unsigned by signed bytes, so the query is biased by
-    /// +128 into u8 and `128 · Σ row` (a second `vpdpbusd` with a constant 128) is subtracted.
+    /// AVX-512 VNNI: `vpdpbusd` multiplies unsigned by signed bytes, so each row is made
+    /// unsigned by flipping its sign bits (`r ^ 0x80` is `r + 128` as u8) and `128 · Σ q` is
+    /// subtracted once per query; the query's padding bytes are zero, so a row's padding adds
+    /// nothing. Rows go sixteen at a time: their sixteen accumulators are summed across lanes
+    /// together (`sum16`), a few shuffles per row instead of a full reduction each.
     ///
     /// # Safety
     ///
@@ -366,28 +369,86 @@ mod vnni {
         let chunks = dim.div_ceil(64);
         let tail = dim - (chunks - 1) * 64;
         let tail_mask: __mmask64 = if tail == 64 { !0 } else { (1u64 << tail) - 1 };
-        let bias = _mm512_set1_epi8(-128);
-        let c128 = _mm512_set1_epi8(-128); // as u8: 128
-        let mut qu = [_mm512_setzero_si512(); MAX_DIM / 64];
-        for (c, quc) in qu[..chunks].iter_mut().enumerate() {
-            let m = if c + 1 == chunks { tail_mask } else { !0 };
-            let v = _mm512_maskz_loadu_epi8(m, q.as_ptr().add(c * 64));
-            // Bias only the valid bytes so padding contributes nothing.
-            *quc = _mm512_mask_xor_epi32(v, !0, v, _mm512_maskz_mov_epi8(m, bias));
+        let mask = |c: usize| if c + 1 == chunks { tail_mask } else { !0 };
+        let mut qs = [_mm512_setzero_si512(); MAX_DIM / 64];
+        for (c, qc) in qs[..chunks].iter_mut().enumerate() {
+            *qc = _mm512_maskz_loadu_epi8(mask(c), q.as_ptr().add(c * 64));
         }
-        let c128_tail = _mm512_maskz_mov_epi8(tail_mask, c128);
-        for (o, r) in out.iter_mut().zip(rows.chunks_exact(dim)) {
-            let mut acc = _mm512_setzero_si512();
-            let mut corr = _mm512_setzero_si512();
-            for (c, &quc) in qu[..chunks].iter().enumerate() {
-                let last = c + 1 == chunks;
-                let m = if last { tail_mask } else { !0 };
-                let v = _mm512_maskz_loadu_epi8(m, r.as_ptr().add(c * 64));
-                acc = _mm512_dpbusd_epi32(acc, quc, v);
-                corr = _mm512_dpbusd_epi32(corr, if last { c128_tail } else { c128 }, v);
+        let bias = 128 * q.iter().map(|&x| x as i32).sum::<i32>();
+        let qs = &qs[..chunks];
+        // Row i goes to out[i], for the rows that both hold.
+        let n = out.len().min(rows.len() / dim);
+        let (rows, out) = (&rows[..n * dim], &mut out[..n]);
+        let mut blocks = rows.chunks_exact(16 * dim);
+        let mut outs = out.chunks_exact_mut(16);
+        for (block, o) in (&mut blocks).zip(&mut outs) {
+            let mut accs = [_mm512_setzero_si512(); 16];
+            for (a, r) in accs.iter_mut().zip(block.chunks_exact(dim)) {
+                *a = row_acc(qs, r, tail_mask);
             }
-            *o = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc, corr));
+            let sums = _mm512_sub_epi32(sum16(&accs), _mm512_set1_epi32(bias));
+            _mm512_storeu_si512(o.as_mut_ptr() as *mut _, sums);
         }
+        for (o, r) in outs.into_remainder().iter_mut().zip(blocks.remainder().chunks_exact(dim)) {
+            *o = _mm512_reduce_add_epi32(row_acc(qs, r, tail_mask)) - bias;
+        }
+    }
+
+    /// `vpdpbusd` of one row (sign bits flipped) with the query's chunks `qs`, lanes unsummed.
+    ///
+    /// # Safety
+    ///
+    /// As for `dot_rows_i8`; `r` is one row, `tail_mask` masks its last chunk.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[inline]
+    unsafe fn row_acc(qs: &[__m512i], r: &[i8], tail_mask: __mmask64) -> __m512i {
+        let flip = _mm512_set1_epi8(i8::MIN);
+        let mut acc = _mm512_setzero_si512();
+        for (c, &qc) in qs.iter().enumerate() {
+            let m = if c + 1 == qs.len() { tail_mask } else { !0 };
+            let v = _mm512_maskz_loadu_epi8(m, r.as_ptr().add(c * 64));
+            acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(v, flip), qc);
+        }
+        acc
+    }
+
+    /// Lane `i` of the result is the sum of the sixteen lanes of `a[i]`: pairs of rows, then
+    /// quads, are summed within each 128-bit lane (unpack and add), then the 128-bit lanes of
+    /// four quads are transposed and added.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must support AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn sum16(a: &[__m512i; 16]) -> __m512i {
+        let t0 = quad(pair(a[0], a[1]), pair(a[2], a[3]));
+        let t1 = quad(pair(a[4], a[5]), pair(a[6], a[7]));
+        let t2 = quad(pair(a[8], a[9]), pair(a[10], a[11]));
+        let t3 = quad(pair(a[12], a[13]), pair(a[14], a[15]));
+        halves(halves(t0, t1), halves(t2, t3))
+    }
+
+    /// Rows `x`, `y`: per 128-bit lane `[x0 + x2, y0 + y2, x1 + x3, y1 + y3]` of that lane.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn pair(x: __m512i, y: __m512i) -> __m512i {
+        _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y))
+    }
+
+    /// Pairs `p` = (x, y), `r` = (z, w): per 128-bit lane, each of the four rows' sum over it.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn quad(p: __m512i, r: __m512i) -> __m512i {
+        _mm512_add_epi32(_mm512_unpacklo_epi64(p, r), _mm512_unpackhi_epi64(p, r))
+    }
+
+    /// 128-bit lanes `[x0 + x1, x2 + x3, y0 + y1, y2 + y3]`: applied to two quads' sums and then
+    /// to the results, lane `m` holds the total of quad `m`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn halves(x: __m512i, y: __m512i) -> __m512i {
+        _mm512_add_epi32(_mm512_shuffle_i32x4::<0x88>(x, y), _mm512_shuffle_i32x4::<0xDD>(x, y))
     }
 }
 
@@ -495,6 +556,34 @@ fn quantize_with<const CENTRED: bool>(v: &[f32], centre: &[f32], code: &mut [i8]
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every row count around the sixteen-row blocks, every head dimension up to the kernels'
+    /// limit and beyond (the portable path), every byte value: the exact integer dot products,
+    /// from both kernels; an `out` shorter than the rows takes the first rows only.
+    #[test]
+    fn dot_rows_i8_is_exact_for_every_shape_and_value() {
+        for dim in (1..=260).filter(|d| d % 13 == 0 || *d <= 3 || [63, 64, 65, 127, 128, 129, 255, 256].contains(d)) {
+            let byte = |i: usize| ((i * 7919 + dim * 31) % 256) as u8 as i8;
+            let q: Vec<i8> = (0..dim).map(|i| byte(i * 3 + 1)).collect();
+            let rows: Vec<i8> = (0..37 * dim).map(byte).collect();
+            for n in [0usize, 1, 15, 16, 17, 31, 32, 33, 37] {
+                let want: Vec<i32> = rows[..n * dim]
+                    .chunks_exact(dim)
+                    .map(|r| r.iter().zip(&q).map(|(&a, &b)| a as i32 * b as i32).sum())
+                    .collect();
+                let mut got = vec![7i32; n];
+                dot_rows_i8(&q, &rows[..n * dim], &mut got);
+                assert_eq!(got, want, "dim {dim}, {n} rows");
+                dot_rows_i8_portable(&q, &rows[..n * dim], &mut got);
+                assert_eq!(got, want, "portable: dim {dim}, {n} rows");
+                if n > 1 {
+                    let mut short = vec![0i32; n - 1];
+                    dot_rows_i8(&q, &rows[..n * dim], &mut short);
+                    assert_eq!(short, want[..n - 1], "dim {dim}, {n} rows into {}", n - 1);
+                }
+            }
+        }
+    }
 
     #[test]
     fn dot_cross_cols_matches_plain_dot_products() {
