@@ -333,11 +333,11 @@ def main(argv=None) -> int:
         nargs="+",
         default=["full", "ice", "ice3"],
         help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode (batch 1); ice: IceCache; "
-        "ice3: IceCache reuse=3; ice-r2: IceCache refresh=2; ice-tN: IceCache with N index threads; "
-        "fresh: IceCache with fresh selection; ice-fixed, ice-adaptive: IceCache with that budget_mode; "
-        "ice-auto: IceCache with effort='auto' (calibrated during prefill); combinations of ice- and "
-        "-int8 (page_format), -gv/-ov (group_view on/off), -wait (exact_until_indexed=False), "
-        "-rN (refresh N), -eX (effort X), -tN (N index threads), e.g. ice-int8-gv-r2",
+        "ice3: IceCache reuse=3; fresh: IceCache with fresh selection; ice-fixed, ice-adaptive: IceCache "
+        "with that budget_mode; ice-auto: IceCache with effort='auto' (calibrated during prefill); ice "
+        "followed by any of -int8 (page_format), -gv/-ov (group_view on/off), -wait "
+        "(exact_until_indexed=False), -rN (refresh N), -eX (effort X), -tN (N index threads), e.g. ice-r2, "
+        "ice-int8-gv-r2",
     )
     ap.add_argument(
         "--cprofile",
@@ -475,15 +475,12 @@ def main(argv=None) -> int:
             "fullfi": ("full (FlashInfer)", full_flashinfer),
             "ice": ("IceCache", lambda: make_ice(1)),
             "ice3": ("IceCache reuse=3", lambda: make_ice(3)),
-            "ice-wait": ("IceCache exact_until_indexed=False", lambda: make_ice(1, exact_until_indexed=False)),
-            "ice-r2": ("IceCache refresh=2", lambda: make_ice(1, refresh=2)),
             "fresh": ("IceCache fresh", lambda: make_ice(1, lookahead=False)),
             "ice-fixed": ("IceCache budget_mode=fixed", lambda: make_ice(1, budget_mode="fixed")),
             "ice-adaptive": ("IceCache budget_mode=adaptive", lambda: make_ice(1, budget_mode="adaptive")),
             "ice-auto": ("IceCache effort=auto", lambda: make_ice(1, effort="auto")),
-            "ice-int8": ("IceCache page_format=int8", lambda: make_ice(1, page_format="int8")),
         }
-        for v in args.variants:  # ice-tN and combinations such as ice-int8-gv-r2
+        for v in args.variants:  # ice-wait, ice-r2, ice-int8, ice-tN and combinations: ice-int8-gv-r2
             options = ice_options(v) if v not in makers else None
             if options:
                 label = "IceCache " + " ".join(f"{k}={x}" for k, x in options.items())

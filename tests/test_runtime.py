@@ -585,20 +585,24 @@ def test_budget_covering_context_equals_full_cache(arch, reuse, lookahead, budge
 
 
 @pytest.mark.parametrize(
-    "reuse, lookahead, refresh, budget_mode, group_view",
+    "reuse, lookahead, refresh, budget_mode, group_view, page_format",
     [
-        (1, True, 1, "fixed", False),
-        (2, True, 1, "fixed", False),
-        (1, False, 1, "fixed", False),
-        (2, True, 3, "fixed", False),
-        (1, False, 1, "adaptive", False),
-        (1, True, 1, "adaptive", True),
+        (1, True, 1, "fixed", False, "native"),
+        (2, True, 1, "fixed", False, "native"),
+        (1, False, 1, "fixed", False, "native"),
+        (2, True, 3, "fixed", False, "native"),
+        (1, False, 1, "adaptive", False, "native"),
+        (1, True, 1, "adaptive", True, "native"),
+        (2, True, 1, "adaptive", False, "int8"),
     ],
 )
-def test_long_generation_inserts_evicts_and_reloads(reuse, lookahead, refresh, budget_mode, group_view, pool_checks):
-    """Small budget and pool: pages are selected, evicted, changed by inserts and reloaded;
-    whenever a layer applies a host job, its pool holds exactly the pages the residency map
-    says, as in the CPU stores."""
+def test_long_generation_inserts_evicts_and_reloads(
+    reuse, lookahead, refresh, budget_mode, group_view, page_format, pool_checks
+):
+    """Small budget and pool: pages are selected, evicted, changed by inserts (with page splits)
+    and reloaded; whenever a layer applies a host job, its pool holds exactly the pages the
+    residency map says, as in the CPU stores (with 8-bit pages: dequantised, and reusing layers'
+    pages quantise their own keys)."""
     model = tiny_model("llama")
     # A superset of 12 pages in a pool of 16: loads and evictions at almost every step.
     cfg = IceCacheConfig(
@@ -612,6 +616,7 @@ def test_long_generation_inserts_evicts_and_reloads(reuse, lookahead, refresh, b
         refresh=refresh,
         budget_mode=budget_mode,
         group_view=group_view,
+        page_format=page_format,
     )
     cache = IceCache(cfg, model, track_recall=True)
     steps = 96
@@ -1060,29 +1065,6 @@ def test_int8_pages_attend_exactly_the_dequantised_tokens(reuse, lookahead, pool
         index = (layer.indexes if layer.leader is None else layer.leader.indexes)[0]
         assert layer.sink_len[0] + len(index.forest) + layer.win_len[0] - layer._in_job[0] == 340
         assert len(index.forest) > 300 - 48, "no window page was inserted"
-
-
-def test_int8_pages_long_generation_inserts_evicts_and_reloads(pool_checks):
-    """Small budget and pool with 8-bit pages and layer reuse: loads, evictions, inserts with
-    page splits and reloads; whenever a layer applies a job, its pool holds the dequantised
-    pages the residency map says, and reusing layers' pages quantise their own keys."""
-    model = tiny_model("llama")
-    cfg = IceCacheConfig(
-        budget=96,
-        full_layers=1,
-        reuse=2,
-        superset_pages=12,
-        pool_pages=16,
-        page_format="int8",
-        exact_until_indexed=False,
-    )
-    cache = IceCache(cfg, model, track_recall=True)
-    steps = 96
-    run_steps(model, prompt_ids(400, seed=3), cache, steps)
-    layers = ice_layers(cache)
-    assert len(pool_checks) == steps * len(layers) and min(pool_checks[len(layers) :]) > 0
-    assert cache.stats.pages_loaded > cfg.device_pages * 2 * len(layers)
-    assert 0 < cache.stats.recall <= 1
 
 
 def test_int8_pages_halve_the_host_store_bytes():

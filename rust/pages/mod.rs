@@ -295,7 +295,8 @@ impl HeadForest {
             .iter()
             .map(|hp| {
                 let pages: usize = hp.pages.iter().map(|p| p.capacity() * 4 + std::mem::size_of::<Vec<u32>>()).sum();
-                let cells: usize = hp.cell_pages.values().map(|p| p.capacity() * 4 + 32).sum();
+                let cells: usize =
+                    hp.cell_pages.values().map(|p| p.capacity() * 4 + std::mem::size_of::<(u32, Vec<u32>)>()).sum();
                 hp.index.stats().bytes
                     + pages
                     + cells
