@@ -30,7 +30,11 @@ own shard. Per context length, one prompt of random tokens:
   TPOT pass, its total is shown too; the worker's own time per token (insert, select + plan,
   gather), pages loaded per token; ``--cprofile N`` adds cProfile tables of N steps (and of
   each prefill);
-- device KV bytes and host bytes (page stores + staging + transit) after decoding;
+- device KV bytes and host bytes (page stores + indexes + staging + transit: ``IceCache.nbytes``,
+  which counts the stores' reserved room too) after decoding, and how much the process's
+  resident memory grew while each IceCache variant prefilled and built its indexes (``RSS
+  growth``: what the machine actually holds; the stores' room, untouched until inserts fill
+  it, is not resident where the allocator maps large blocks lazily);
 - throughput: ``--batch 1 4 8`` runs everything above once per batch size (aggregate tok/s =
   batch / TPOT, each against the full cache at the same batch) and, on a GPU, estimates the
   most sequences of each context each variant fits on the machine from its measured bytes per
@@ -100,6 +104,8 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import List
+
+from bench_soak import rss_bytes
 
 
 def llama8b_config(layers: int):
@@ -209,8 +215,8 @@ def capacity(results: List[dict], model) -> List[str]:
     its measured bytes per sequence at the largest batch run: device KV bytes (the weights are
     subtracted from the GPU's memory, and for IceCache the whole prompt KV of one sequence, which
     its prefill holds until the index worker has copied it: sequences prefilled one at a time)
-    and host bytes (page stores, staging, transit) against the host's memory. Activations are
-    not counted, so these are upper bounds."""
+    and host bytes (``IceCache.nbytes``; and, where measured, the RSS growth of its prefill)
+    against the host's memory. Activations are not counted, so these are upper bounds."""
     import torch
 
     gpu = torch.cuda.get_device_properties(0).total_memory
@@ -220,8 +226,9 @@ def capacity(results: List[dict], model) -> List[str]:
         f"Capacity estimate: GPU {gpu / 2**30:.0f} GiB less {weights / 2**30:.1f} GiB of weights, host "
         f"{host / 2**30:.0f} GiB; per-sequence bytes at the largest batch run; activations not counted",
         "",
-        "| context | variant | device MiB / seq | host MiB / seq | sequences (GPU, host bound) | batch x context |",
-        "|---|---|---|---|---|---|",
+        "| context | variant | device MiB / seq | host MiB / seq | RSS growth MiB / seq | sequences (GPU, host "
+        "bound; by RSS) | batch x context |",
+        "|---|---|---|---|---|---|---|",
     ]
     for n in sorted({r["context"] for r in results}):
         rows = [r for r in results if r["context"] == n]
@@ -237,9 +244,11 @@ def capacity(results: List[dict], model) -> List[str]:
             by_gpu = int((gpu - weights - transient) // dev)
             by_host = int(host // hst) if hst else None
             fits = by_gpu if by_host is None else min(by_gpu, by_host)
+            rss = r.get("host_rss_bytes", 0) / r["batch"]
+            by_rss = f"; {min(by_gpu, int(host // rss))}" if rss > 0 else ""
             out.append(
-                f"| {n} | {name} | {dev / 2**20:.0f} | {hst / 2**20:.0f} | {fits} ({by_gpu}, "
-                f"{'-' if by_host is None else by_host}) | {fits} x {n} |"
+                f"| {n} | {name} | {dev / 2**20:.0f} | {hst / 2**20:.0f} | {rss / 2**20:.0f} | {fits} ({by_gpu}, "
+                f"{'-' if by_host is None else by_host}{by_rss}) | {fits} x {n} |"
             )
     return out
 
@@ -503,6 +512,7 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
             for k in chosen[rnd % len(chosen) :] + chosen[: rnd % len(chosen)]:
                 name, make = makers[k]
+                rss_before = rss_bytes()
                 cache = make()
                 if args.cprofile and not name.startswith("full"):
                     total, first, tok, ready = profiled(f"{n}: {name}: prefill", functools.partial(ttst, cache, ids))
@@ -512,6 +522,7 @@ def main(argv=None) -> int:
                 variants[name] = dict(cache=cache, tok=tok, ttft=first, steps=[])
                 if isinstance(cache, IceCache):
                     v = variants[name]
+                    v["host_rss_bytes"] = rss_bytes() - rss_before  # the indexes are ready by now
                     v["index_wait_s"], v["index_ready_s"] = ready.wait_s, ready.ready_s
                     v["switch_s"], v["catch_up_s"] = ready.switch_s, ready.catch_up_s
                     v["bridged_steps"] = len(ready.bridged_s)
@@ -622,6 +633,7 @@ def main(argv=None) -> int:
                 "bridged_step_ms",
                 "host_ms_per_layer_step",
                 "wait_ms_per_layer_step",
+                "host_rss_bytes",
             ):
                 if k in v:
                     row[k] = v[k]

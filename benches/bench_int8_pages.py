@@ -42,9 +42,9 @@ def dequantised_middle(k: np.ndarray, v: np.ndarray):
     from icecache.runtime.pages import PageStore
 
     H, n, D = k.shape
-    forest = icecache.HeadForest(k, page_size=PAGE, seed=0)
+    forest = icecache.HeadForest(k, page_size=PAGE, seed=0, page_format="int8")
     store = PageStore(H, PAGE, D, torch.float32, "int8")
-    store.reserve(forest.max_pages())
+    store.reserve(forest.max_pages(), 0)
     forest.write_pages(k, v, *store.views())
     kd, vd = store.tokens(torch.float32)
     out_k, out_v = np.empty_like(k), np.empty_like(v)

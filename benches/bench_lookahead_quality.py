@@ -32,6 +32,10 @@ spread over layers.
 A config is ``superset,refresh,pool,successors[,effort[,group_view]]``: ``effort`` scales the
 field of view (``HeadForest.select``'s ``effort``, default 1) and a last field of 1 makes the
 query heads of each GQA group share one field of view (``group_view``).
+
+``--grown F``: every forest is built over the first ``F`` of its middle only and the rest is
+inserted 16 tokens at a time (``HeadForest.insert``, as the runtime's window flushes them), so
+that a run with ``--grown`` against one without measures what the decode-time inserts cost.
 """
 
 from __future__ import annotations
@@ -119,9 +123,27 @@ class Step:
         return [r[:n] for r, n in zip(ranked, take)]
 
 
-def run_doc(doc: dict, configs, scores: dict, name: str) -> None:
+def make_forest(keys: np.ndarray, grown: float):
+    """A ``HeadForest`` over ``keys`` ``[H_kv, n, D]``: built at once, or (``grown`` < 1) over
+    the first ``grown`` of them with the rest inserted a page of tokens at a time."""
     import icecache
 
+    if grown >= 1:
+        return icecache.HeadForest(np.ascontiguousarray(keys), page_size=PAGE, seed=0)
+    H, n, D = keys.shape
+    n0 = max(PAGE, int(n * grown))
+    forest = icecache.HeadForest(np.ascontiguousarray(keys[:, :n0]), page_size=PAGE, seed=0)
+    # Room for a new page per inserted token, the most inserts can open.
+    k_store = np.zeros((H, forest.max_pages() + n - n0, PAGE, D), np.float32)
+    v_store = np.zeros_like(k_store)
+    forest.write_pages(np.ascontiguousarray(keys[:, :n0]), np.ascontiguousarray(keys[:, :n0]), k_store, v_store)
+    for a in range(n0, n, PAGE):
+        part = np.ascontiguousarray(keys[:, a : a + PAGE])
+        forest.insert(part, part, k_store, v_store)
+    return forest
+
+
+def run_doc(doc: dict, configs, scores: dict, name: str, grown: float = 1.0) -> None:
     Q, K, qstart = doc["q"], doc["k"], doc["qstart"]
     n_layers, Hq, _, D = Q.shape
     Hkv, T = K.shape[1], K.shape[2]
@@ -130,7 +152,7 @@ def run_doc(doc: dict, configs, scores: dict, name: str) -> None:
         out = scores.setdefault(name, {}).setdefault(layer, {})
         for start in (T - 380, T - 290, T - 200, T - 110):
             M = start - 15
-            forest = icecache.HeadForest(np.ascontiguousarray(K[layer][:, SINK:M]), page_size=PAGE, seed=0)
+            forest = make_forest(K[layer][:, SINK:M], grown)
             tokens = [[forest.page_tokens(h, p) + SINK for p in range(forest.num_pages(h))] for h in range(Hkv)]
             pools = {c: [dict() for _ in range(Hkv)] for c in configs}
             for step, t in enumerate(range(start, start + STEPS)):
@@ -180,6 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=6000)
     ap.add_argument("--configs", nargs="+", default=["52,1,65,32", "52,1,65,0", "52,2,65,32", "26,1,36,32"])
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "icecache" / "lookahead"))
+    ap.add_argument("--grown", type=float, default=1.0, help="build over this share of each middle, insert the rest")
     args = ap.parse_args(argv)
     configs = [parse_config(c) for c in args.configs]
     cache_dir = Path(args.cache)
@@ -196,10 +219,12 @@ def main(argv=None) -> int:
     scores: dict = {}  # document -> layer -> selection -> [(recall, middle-only)]
     for name, ids in docs:
         print(f"{name}: capture and replay ...", file=sys.stderr, flush=True)
-        run_doc(capture(f"{name}-{args.tokens}", ids, model, cache_dir), configs, scores, name)
+        run_doc(capture(f"{name}-{args.tokens}", ids, model, cache_dir), configs, scores, name, args.grown)
 
     print(f"SmolLM2-135M, {len(docs)} documents of {args.tokens} tokens ({', '.join(n for n, _ in docs)}),")
     print(f"layers 2+, 4 runs of {STEPS} steps; budget 256 (sink 16 + window 16..31 + {PAGES} pages of {PAGE})")
+    if args.grown < 1:
+        print(f"forests built over the first {args.grown:g} of each middle, the rest inserted")
     print("| selection | recall | middle-only | vs fresh | middle vs fresh | per document (recall / middle) | worst |")
     print("|---|---|---|---|---|---|---|")
     keys = list(next(iter(next(iter(scores.values())).values())))

@@ -10,10 +10,13 @@ releases the GIL and runs on the core's thread pool, as the worker's job runs it
 resembles the last, the worst case for reuse). Variants (``--variants``: ``own``, ``group``,
 ``own-e0.5``, ``group-e0.5``, ...: own or shared field of view per GQA group, and the effort)
 are interleaved round by round. Reported: the median wall time of a layer step (all sequences)
-and the core time it implies per (sequence, layer) selection.
+and the core time it implies per (sequence, layer) selection. ``--page-format int8`` builds
+forests for 8-bit page stores, which they read their keys from (``select(k_store=...)``), as
+the runtime's do with ``page_format="int8"``; by default each forest keeps its keys' int8 rows.
 
     python benches/bench_select.py [--batch 8] [--tokens 32768] [--heads 8] [--group 4]
         [--dim 128] [--pages 52] [--rounds 20] [--variants own group own-e0.5 group-e0.5]
+        [--page-format native|int8]
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ def parse_variant(name: str) -> dict:
     return {"group_view": view == "group", "effort": float(effort) if effort else 1.0}
 
 
-def select_one(forest, queries, pages, **options):
+def select_one(forest_store, queries, pages, **options):
+    forest, k_store = forest_store
+    if k_store is not None:
+        options["k_store"] = k_store
     return forest.select(queries, pages, **options)
 
 
@@ -51,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--successors", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--variants", nargs="+", default=["own", "group", "own-e0.5", "group-e0.5"])
+    ap.add_argument("--page-format", choices=["native", "int8"], default="native")
     args = ap.parse_args(argv)
     variants = {v: parse_variant(v) for v in args.variants}
 
@@ -63,7 +70,14 @@ def main(argv=None) -> int:
     for b in range(args.batch):
         centres = rng.standard_normal((h, 16, d)).astype(np.float32)
         keys = centres[:, rng.integers(0, 16, n)] + rng.standard_normal((h, n, d), dtype=np.float32) + 1.0
-        forests.append(icecache.HeadForest(keys.astype(np.float32), page_size=16, seed=b))
+        keys = keys.astype(np.float32)
+        if args.page_format == "native":
+            forests.append((icecache.HeadForest(keys, page_size=16, seed=b), None))
+            continue
+        forest = icecache.HeadForest(keys, page_size=16, seed=b, page_format="int8")
+        k_store = np.zeros((h, forest.max_pages(), 16 * (d + 4)), np.uint8)
+        forest.write_pages(keys, keys, k_store, np.zeros_like(k_store))
+        forests.append((forest, k_store))
     print(f"built {args.batch} forests of {h} x {n} keys in {time.perf_counter() - t:.1f} s", flush=True)
 
     times: dict = {v: [] for v in variants}
@@ -79,7 +93,7 @@ def main(argv=None) -> int:
     cores = os.cpu_count() or 1
     print(
         f"batch {args.batch}, {h} KV heads x {g} query heads, {n} keys of {d}, {args.pages} pages, "
-        f"successors {args.successors}, {cores} cores, {args.rounds} rounds (median)"
+        f"successors {args.successors}, {cores} cores, {args.rounds} rounds (median), {args.page_format} pages"
     )
     print("| variant | ms per layer step | core-ms per (sequence, layer) | x own |")
     print("|---|---|---|---|")

@@ -610,7 +610,12 @@ fn leader_lane(
         }
         (pages, counts)
     } else {
-        forest.select(q, select)?
+        // An 8-bit forest's keys are its K store's rows.
+        let k_codes = match g.format {
+            PageFormat::Native => None,
+            PageFormat::Int8 => Some(lane.k_store.slice::<u8>("k_store")?),
+        };
+        forest.select(q, select, k_codes)?
     };
     let plan = lane.resident.write().map_err(|_| poisoned())?.plan(&pages, &counts)?;
     let len =

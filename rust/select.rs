@@ -38,10 +38,39 @@ pub struct SelectParams {
     pub group_view: bool,
 }
 
+/// One key a search scored: `q · k` (its int8 estimate) and where the key lives.
+#[derive(Clone, Copy)]
+struct Scored {
+    score: f32,
+    page: u32,
+    slot: u32,
+}
+
+/// Buffers of one KV head's selection, reused by the heads one worker runs.
+#[derive(Default)]
+struct Buffers {
+    search: Scratch,
+    /// The quantised queries of the group, `[G, d]`, and their scales.
+    qcode: Vec<i8>,
+    qscale: Vec<f32>,
+    /// Per query head: its view (cells, best first) and the keys it scored.
+    views: Vec<Vec<(i64, f32)>>,
+    scored: Vec<Vec<Scored>>,
+    /// The cells a shared view holds, and which cells it holds (false between calls).
+    shared: Vec<u32>,
+    in_view: Vec<bool>,
+    tq: Vec<f32>,
+    dots: Vec<i32>,
+    logits: Vec<f32>,
+    weights: Vec<f32>,
+    top: Vec<usize>,
+}
+
 impl HeadForest {
     /// Selects pages for `queries` `[H_q, d]`; returns `pages` `[H_kv, max_pages]` (ranked, -1
-    /// past the count) and `counts` `[H_kv]`.
-    pub fn select(&self, queries: &[f32], p: SelectParams) -> Result<(Vec<i32>, Vec<i32>)> {
+    /// past the count) and `counts` `[H_kv]`. `k_store`: for a forest of 8-bit stores, the K
+    /// store its keys live in (`None` for 16-bit stores, whose forest keeps them).
+    pub fn select(&self, queries: &[f32], p: SelectParams, k_store: Option<&[u8]>) -> Result<(Vec<i32>, Vec<i32>)> {
         let h = self.num_heads();
         let d = self.dim();
         let hq = check_rows(queries, d, "queries")?;
@@ -51,61 +80,112 @@ impl HeadForest {
         if let Some(e) = p.effort {
             ensure!(e.is_finite() && e > 0.0, "effort must be a positive number, got {e}");
         }
+        let codes = self.codes(k_store)?;
         let group = hq / h;
         // The search must look at no fewer keys than the pages could hold (or than there are).
         let pool = p.max_pages.saturating_mul(self.page_size()).min(self.len());
         // Sized by the caller's max_pages, so allocated fallibly, before any work.
         let n = h.saturating_mul(p.max_pages);
         let mut pages = try_filled(n, -1i32, "the page table [H_kv, max_pages]")?;
-        // One task per KV head: its group's queries one after the other, so that the cells
+        // One task per KV head: its group's queries one after the other, so that the pages
         // they share are read from cache (and, with `group_view`, scanned once).
         let sums: Vec<Vec<f32>> = queries
             .par_chunks_exact(group * d)
             .zip(&self.heads)
-            .map_init(
-                || (Scratch::default(), Vec::new(), Vec::new(), Vec::new(), Vec::new()),
-                |(scratch, scored, logits, w, top), (qs, hp)| {
-                    scored.resize_with(group, Vec::new);
-                    scored.iter_mut().for_each(|s: &mut Vec<_>| s.clear());
-                    let effort = p.effort.unwrap_or(hp.index.config().effort);
-                    if p.group_view && !p.exact {
-                        hp.index.scan_group_scores(qs, pool, effort, scratch, scored);
-                    } else {
-                        for (q, out) in qs.chunks_exact(d).zip(scored.iter_mut()) {
-                            hp.index.scan_scores(q, pool, effort, p.exact, scratch, out);
-                        }
+            .zip(&codes)
+            .map_init(Buffers::default, |b, ((qs, hp), &codes)| {
+                let effort = p.effort.unwrap_or(hp.effort);
+                b.qcode.resize(group * d, 0);
+                b.qscale.clear();
+                for (q, code) in qs.chunks_exact(d).zip(b.qcode.chunks_exact_mut(d)) {
+                    b.qscale.push(simd::quantize_i8(q, code));
+                }
+                b.scored.resize_with(group, Vec::new);
+                b.scored.iter_mut().for_each(|s| s.clear());
+                b.views.resize_with(group, Vec::new);
+                let Buffers { qcode, qscale, scored, dots, .. } = b;
+                // Scores `page` for the query heads `js`.
+                let mut scan = |page: u32, js: std::ops::Range<usize>| {
+                    for j in js {
+                        let q = (&qcode[j * d..(j + 1) * d], qscale[j]);
+                        hp.scan_page(codes, page, q, dots, |slot, score| {
+                            scored[j].push(Scored { score, page, slot: slot as u32 })
+                        });
                     }
-                    let mut sum = vec![0f32; hp.pages.len()];
-                    for scored in scored.iter() {
-                        logits.clear();
-                        logits.extend(scored.iter().map(|s| s.score * p.scale));
-                        let total = simd::softmax_numerators(logits);
-                        w.clear();
-                        w.resize(hp.pages.len(), 0f32);
-                        for (s, &x) in scored.iter().zip(logits.iter()) {
-                            w[s.tag as usize] += x / total;
-                        }
-                        if p.successors > 0 {
-                            let n = p.successors.min(scored.len());
-                            top.clear();
-                            top.extend(0..scored.len());
-                            if n < top.len() {
-                                top.select_nth_unstable_by(n - 1, |&a: &usize, &b: &usize| {
-                                    logits[b].total_cmp(&logits[a])
-                                });
-                            }
-                            for &i in &top[..n] {
-                                let next = hp.index.slot_id(scored[i].slot) as usize + 1;
-                                if let Some(&(page, _)) = hp.token_page.get(next) {
-                                    w[page as usize] += logits[i] / total;
+                };
+                if p.exact {
+                    for page in 0..hp.num_pages() as u32 {
+                        scan(page, 0..group);
+                    }
+                } else {
+                    for (q, view) in qs.chunks_exact(d).zip(b.views.iter_mut()) {
+                        hp.view(q, pool, effort, &mut b.tq, &mut b.search, view);
+                    }
+                    if p.group_view {
+                        // Every head's best cell, then every head's second best, ..., until the
+                        // view holds as many cells as one head's own.
+                        let fov = b.views.iter().map(|v| v.len()).max().unwrap_or(0);
+                        b.in_view.resize(hp.cells.len(), false);
+                        b.shared.clear();
+                        'fill: for rank in 0..fov {
+                            for view in &b.views {
+                                if let Some(&(cell, _)) = view.get(rank) {
+                                    if !std::mem::replace(&mut b.in_view[cell as usize], true) {
+                                        b.shared.push(cell as u32);
+                                        if b.shared.len() == fov {
+                                            break 'fill;
+                                        }
+                                    }
                                 }
                             }
                         }
-                        sum.iter_mut().zip(w.iter()).for_each(|(a, b)| *a += b);
+                        for &cell in &b.shared {
+                            b.in_view[cell as usize] = false;
+                            for &page in &hp.cells[cell as usize].pages {
+                                scan(page, 0..group);
+                            }
+                        }
+                    } else {
+                        for (j, view) in b.views.iter().enumerate() {
+                            for &(cell, _) in view {
+                                for &page in &hp.cells[cell as usize].pages {
+                                    scan(page, j..j + 1);
+                                }
+                            }
+                        }
                     }
-                    sum
-                },
-            )
+                }
+                let np = hp.num_pages();
+                let mut sum = vec![0f32; np];
+                for scored in b.scored.iter() {
+                    b.logits.clear();
+                    b.logits.extend(scored.iter().map(|s| s.score * p.scale));
+                    let total = simd::softmax_numerators(&mut b.logits);
+                    b.weights.clear();
+                    b.weights.resize(np, 0f32);
+                    for (s, &x) in scored.iter().zip(b.logits.iter()) {
+                        b.weights[s.page as usize] += x / total;
+                    }
+                    if p.successors > 0 {
+                        let n = p.successors.min(scored.len());
+                        let logits = &b.logits;
+                        b.top.clear();
+                        b.top.extend(0..scored.len());
+                        if n < b.top.len() {
+                            b.top.select_nth_unstable_by(n - 1, |&a, &c| logits[c].total_cmp(&logits[a]));
+                        }
+                        for &i in &b.top[..n] {
+                            let at = scored[i];
+                            let next = hp.page_tokens(at.page)[at.slot as usize] as usize + 1;
+                            if let Some(page) = hp.page_of(next) {
+                                b.weights[page as usize] += logits[i] / total;
+                            }
+                        }
+                    }
+                    sum.iter_mut().zip(b.weights.iter()).for_each(|(a, w)| *a += w);
+                }
+                sum
+            })
             .collect();
         let mut counts = vec![0i32; h];
         pages.par_chunks_mut(p.max_pages).zip(counts.par_iter_mut()).zip(sums).for_each(|((out, count), sum)| {

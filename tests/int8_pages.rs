@@ -4,6 +4,7 @@
 
 use half::bf16;
 use icecache::pages::int8::{self, dequantize_row, quantize_row, row_parts};
+use icecache::pages::PageFormat;
 use icecache::{Config, HeadForest, KeyData, Metric};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -96,19 +97,20 @@ fn forest(k: &[f32], heads: usize, dim: usize, page_size: usize, seed: u64) -> H
     let mut cfg = Config::new(dim, Metric::InnerProduct);
     cfg.seed = Some(seed);
     cfg.promotion = vec![0.06, 0.2];
-    HeadForest::build(KeyData::F32(k), heads, cfg, page_size).unwrap()
+    HeadForest::build(KeyData::F32(k), heads, cfg, page_size, PageFormat::Int8).unwrap()
 }
 
 /// Every token's slot holds the codes and scale of quantising its row (`src` `[heads, len,
-/// dim]`, bf16 widened), bit for bit; empty slots are zero bytes.
+/// dim]`, bf16 widened), bit for bit; the empty slots of the forest's pages are zero bytes
+/// (pages past them are the store's room, never read).
 fn check_int8_store(f: &HeadForest, src: &[bf16], store: &[u8], pages: usize) {
     let (d, s, n) = (f.dim(), f.page_size(), f.len());
     let pb = int8::page_bytes(s, d);
     assert_eq!(store.len(), f.num_heads() * pages * pb);
     for h in 0..f.num_heads() {
-        for p in 0..pages {
+        for p in 0..f.num_pages(h).unwrap() {
             let page = &store[(h * pages + p) * pb..(h * pages + p + 1) * pb];
-            let tokens = if p < f.num_pages(h).unwrap() { f.page_tokens(h, p).unwrap() } else { &[] };
+            let tokens = f.page_tokens(h, p).unwrap();
             for slot in 0..s {
                 let (codes, scale) = row_parts(page, slot, s, d);
                 match tokens.get(slot) {
@@ -162,7 +164,7 @@ proptest! {
             let before = f.token_map(0).unwrap().to_vec();
             let (kn, vn) = (as_bits(&head_rows(&k, h, total, d, pos, pos + m)), as_bits(&head_rows(&v, h, total, d, pos, pos + m)));
             f.insert_int8(&kn, &vn, &mut ks, &mut vs).unwrap();
-            moved |= before.iter().zip(f.token_map(0).unwrap()).any(|(a, b)| a != b);
+            moved |= before.iter().zip(&f.token_map(0).unwrap()).any(|(a, b)| a != b);
             pos += m;
         }
         prop_assert!(moved, "no insert split a page");
@@ -190,6 +192,69 @@ fn int8_writes_refuse_non_finite_values_and_change_nothing() {
     bad[3] = f32::NAN;
     assert!(f.insert_int8(&new, &bad, &mut ks, &mut vs).is_err());
     assert!(f.insert_int8(&new, &new, &mut ks[..pb], &mut vs[..pb]).is_err(), "stores too small");
-    assert_eq!((f.len(), f.token_map(0).unwrap()), (n, &map0[..]));
+    assert_eq!((f.len(), f.token_map(0).unwrap()), (n, map0));
     assert!(ks == ks0 && vs == vs0, "a refused insert changed the stores");
+}
+
+/// A forest of 8-bit stores reads its keys from the K store; one of 16-bit stores keeps the
+/// same int8 rows itself. Built, grown and asked alike, they select the same pages.
+#[test]
+fn selections_from_the_k_store_equal_those_from_the_forests_own_rows() {
+    use icecache::SelectParams;
+    let (h, n, m, d, s, g) = (2, 600, 500, 16, 16, 3);
+    let total = n + m;
+    let k = keys(h, total, d, 11);
+    let v: Vec<f32> = k.iter().map(|x| 1.0 - x).collect();
+    let cfg = |seed| {
+        let mut c = Config::new(d, Metric::InnerProduct);
+        c.seed = Some(seed);
+        c.promotion = vec![0.03, 0.2];
+        c
+    };
+    let (k0, v0) = (head_rows(&k, h, total, d, 0, n), head_rows(&v, h, total, d, 0, n));
+    let mut own = HeadForest::build(KeyData::F32(&k0), h, cfg(4), s, PageFormat::Native).unwrap();
+    let mut int8 = HeadForest::build(KeyData::F32(&k0), h, cfg(4), s, PageFormat::Int8).unwrap();
+    let pages = own.max_pages() + m + 1;
+    let pb = int8::page_bytes(s, d);
+    let (mut fk, mut fv) = (vec![0f32; h * pages * s * d], vec![0f32; h * pages * s * d]);
+    let (mut bk, mut bv) = (vec![0u8; h * pages * pb], vec![0u8; h * pages * pb]);
+    own.write_pages(&k0, &v0, &mut fk, &mut fv).unwrap();
+    int8.write_pages_int8(&k0, &v0, &mut bk, &mut bv).unwrap();
+    let queries = keys(1, 8 * h * g, d, 12);
+    let compare = |own: &HeadForest, int8: &HeadForest, bk: &[u8]| {
+        for (i, q) in queries.chunks_exact(h * g * d).enumerate() {
+            for (effort, exact, successors, group_view) in
+                [(1.0, false, 0, false), (0.5, false, 8, false), (1.0, false, 8, true), (1.0, true, 0, false)]
+            {
+                let p = SelectParams { max_pages: 6, scale: 0.3, effort: Some(effort), exact, successors, group_view };
+                let a = own.select(q, p, None).unwrap();
+                let b = int8.select(q, p, Some(bk)).unwrap();
+                assert_eq!(a, b, "query {i}, {p:?}");
+            }
+        }
+    };
+    compare(&own, &int8, &bk);
+    // It reads them there: negated codes turn its choices around; and it keeps no rows itself.
+    let mut negated = bk.clone();
+    for page in negated.chunks_exact_mut(pb) {
+        page[..s * d].iter_mut().for_each(|c| *c = (*c as i8).wrapping_neg() as u8);
+    }
+    let p = SelectParams { max_pages: 6, scale: 0.3, effort: Some(1.0), exact: true, successors: 0, group_view: false };
+    let q = &queries[..h * g * d];
+    assert_ne!(int8.select(q, p, Some(&bk)).unwrap(), int8.select(q, p, Some(&negated)).unwrap());
+    assert!(int8.nbytes() + h * n * (d + 4) <= own.nbytes(), "{} vs {}", int8.nbytes(), own.nbytes());
+    // The 8-bit forest refuses to select without its K store, the other with one.
+    let p = SelectParams { max_pages: 6, scale: 0.3, effort: None, exact: false, successors: 0, group_view: false };
+    assert!(int8.select(&queries[..h * g * d], p, None).is_err());
+    assert!(own.select(&queries[..h * g * d], p, Some(&bk)).is_err());
+    for a in (n..total).step_by(s) {
+        let b = (a + s).min(total);
+        let (kn, vn) = (head_rows(&k, h, total, d, a, b), head_rows(&v, h, total, d, a, b));
+        let x = own.insert(&kn, &vn, &mut fk, &mut fv).unwrap();
+        let y = int8.insert_int8(&kn, &vn, &mut bk, &mut bv).unwrap();
+        assert_eq!(x, y, "inserts {a}..{b} changed other pages");
+    }
+    own.validate().unwrap();
+    int8.validate().unwrap();
+    compare(&own, &int8, &bk);
 }

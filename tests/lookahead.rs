@@ -47,7 +47,7 @@ fn layer(n: usize, p: usize, capacity: usize) -> Layer {
     let mut cfg = Config::new(D, Metric::InnerProduct);
     cfg.seed = Some(5);
     cfg.promotion = vec![0.05, 0.2];
-    let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S).unwrap();
+    let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S, PageFormat::Native).unwrap();
     let mut k_store = vec![0f32; H * p * S * D];
     let mut v_store = vec![0f32; H * p * S * D];
     f.write_pages(&keys, &keys, &mut k_store, &mut v_store).unwrap();
@@ -343,7 +343,7 @@ fn int8_leader_and_follower_stage_quantised_pages() {
     let mut cfg = Config::new(D, Metric::InnerProduct);
     cfg.seed = Some(5);
     cfg.promotion = vec![0.05, 0.2];
-    let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S).unwrap();
+    let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S, PageFormat::Int8).unwrap();
     let p = 200;
     let (mut ks, mut vs) = (vec![0u8; H * p * pb], vec![0u8; H * p * pb]);
     f.write_pages_int8(&keys, &keys, &mut ks, &mut vs).unwrap();

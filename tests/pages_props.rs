@@ -2,6 +2,8 @@
 
 use std::collections::HashSet;
 
+use icecache::pages::int8::quantize_row;
+use icecache::pages::PageFormat;
 use icecache::{gather_pages, Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -27,7 +29,7 @@ fn forest(k: &[f32], heads: usize, dim: usize, page_size: usize) -> HeadForest {
     let mut cfg = Config::new(dim, Metric::InnerProduct);
     cfg.seed = Some(3);
     cfg.promotion = vec![0.06, 0.2];
-    HeadForest::build(KeyData::F32(k), heads, cfg, page_size).unwrap()
+    HeadForest::build(KeyData::F32(k), heads, cfg, page_size, PageFormat::Native).unwrap()
 }
 
 /// Every token in exactly one page slot, pages within size, maps consistent, every tree sound
@@ -101,7 +103,8 @@ fn layout_and_store_are_exact() {
 }
 
 /// Exact-mode selection equals a brute-force reference: pages ranked by the group's summed
-/// per-head softmax mass.
+/// per-head softmax mass, every key scored as the forest stores it (its int8 row, against the
+/// int8 query), in f64.
 #[test]
 fn exact_selection_matches_reference() {
     let (h, g, n, d, s) = (2, 3, 700, 16, 16);
@@ -111,15 +114,26 @@ fn exact_selection_matches_reference() {
     let scale = 0.25;
     let max_pages = 7;
     let (pages, counts) = f
-        .select(&q, SelectParams { max_pages, scale, effort: Some(1.0), exact: true, successors: 0, group_view: false })
+        .select(
+            &q,
+            SelectParams { max_pages, scale, effort: Some(1.0), exact: true, successors: 0, group_view: false },
+            None,
+        )
         .unwrap();
+    let quantised = |row: &[f32]| {
+        let mut codes = vec![0u8; row.len()];
+        let s = quantize_row(row, &mut codes);
+        codes.iter().map(|&c| (c as i8) as f64 * s as f64).collect::<Vec<f64>>()
+    };
     for kv in 0..h {
         let np = f.num_pages(kv).unwrap();
         let mut mass = vec![0f64; np];
         for j in kv * g..(kv + 1) * g {
+            let qj = quantised(&q[j * d..(j + 1) * d]);
             let logits: Vec<f64> = (0..n)
                 .map(|t| {
-                    (0..d).map(|x| q[j * d + x] as f64 * k[(kv * n + t) * d + x] as f64).sum::<f64>() * scale as f64
+                    let kt = quantised(&k[(kv * n + t) * d..(kv * n + t + 1) * d]);
+                    qj.iter().zip(&kt).map(|(a, b)| a * b).sum::<f64>() * scale as f64
                 })
                 .collect();
             let m = logits.iter().cloned().fold(f64::MIN, f64::max);
@@ -153,7 +167,7 @@ fn full_budget_selects_all_pages() {
     let max_pages = f.max_pages() + 3;
     for (exact, group_view) in [(true, false), (false, false), (false, true)] {
         let params = SelectParams { max_pages, scale: 0.1, effort: Some(100.0), exact, successors: 0, group_view };
-        let (pages, counts) = f.select(&q, params).unwrap();
+        let (pages, counts) = f.select(&q, params, None).unwrap();
         for kv in 0..h {
             let np = f.num_pages(kv).unwrap();
             assert_eq!(counts[kv] as usize, np, "exact={exact} group_view={group_view}");
@@ -176,8 +190,8 @@ fn group_view_ranks_like_own_views_when_both_see_everything() {
     let max_pages = 9;
     let params =
         SelectParams { max_pages, scale: 0.25, effort: Some(1000.0), exact: false, successors: 4, group_view: false };
-    let own = f.select(&q, params).unwrap();
-    let shared = f.select(&q, SelectParams { group_view: true, ..params }).unwrap();
+    let own = f.select(&q, params, None).unwrap();
+    let shared = f.select(&q, SelectParams { group_view: true, ..params }, None).unwrap();
     assert_eq!(own, shared);
     // A group of identical query heads: the shared view is each head's own (the same cells),
     // not more and not fewer.
@@ -185,12 +199,13 @@ fn group_view_ranks_like_own_views_when_both_see_everything() {
     for effort in [0.05, 0.5] {
         let small = SelectParams { effort: Some(effort), ..params };
         assert_eq!(
-            f.select(&same, small).unwrap(),
-            f.select(&same, SelectParams { group_view: true, ..small }).unwrap()
+            f.select(&same, small, None).unwrap(),
+            f.select(&same, SelectParams { group_view: true, ..small }, None).unwrap()
         );
     }
     for effort in [0.05, 0.5] {
-        let (pages, counts) = f.select(&q, SelectParams { effort: Some(effort), group_view: true, ..params }).unwrap();
+        let (pages, counts) =
+            f.select(&q, SelectParams { effort: Some(effort), group_view: true, ..params }, None).unwrap();
         for kv in 0..h {
             let c = counts[kv] as usize;
             assert!(c >= 1 && c <= max_pages, "effort {effort}: count {c}");
@@ -219,10 +234,10 @@ fn group_view_serves_every_head_of_the_group() {
     };
     let params =
         SelectParams { max_pages: 4, scale: 4.0, effort: Some(0.5), exact: false, successors: 0, group_view: true };
-    let (pages, counts) = f.select(&q, params).unwrap();
+    let (pages, counts) = f.select(&q, params, None).unwrap();
     let got = &pages[..counts[0] as usize];
     for j in 0..g {
-        let (alone, c) = f.select(&q[j * d..(j + 1) * d], SelectParams { group_view: false, ..params }).unwrap();
+        let (alone, c) = f.select(&q[j * d..(j + 1) * d], SelectParams { group_view: false, ..params }, None).unwrap();
         assert!(alone[..c[0] as usize].contains(&best_page(j)), "head {j} alone misses its best page");
         assert!(got.contains(&best_page(j)), "the shared view misses head {j}'s best page: {got:?}");
     }
@@ -253,7 +268,7 @@ fn inserts_keep_every_invariant() {
         for hh in 0..h {
             let after = f.token_map(hh).unwrap();
             let ch: HashSet<u32> = changed[hh].iter().copied().collect();
-            for (t, (&old, &new)) in before[hh].iter().zip(after).enumerate() {
+            for (t, (&old, &new)) in before[hh].iter().zip(&after).enumerate() {
                 if old != new {
                     splits_seen = true;
                     assert!(ch.contains(&new.0), "token {t} moved to unreported page {}", new.0);
@@ -277,17 +292,21 @@ fn bad_input_changes_nothing() {
     let (h, n, d, s) = (2, 100, 8, 8);
     let k = keys(h, n, d, 7);
     let cfg = Config::new(d, Metric::InnerProduct);
-    assert!(HeadForest::build(KeyData::F32(&k), h, cfg.clone(), 4).is_err(), "page size");
-    assert!(HeadForest::build(KeyData::F32(&k), 3, cfg.clone(), 8).is_err(), "heads do not divide");
-    assert!(HeadForest::build(KeyData::F32(&k), h, Config::new(d, Metric::L2), 8).is_err(), "metric");
+    assert!(HeadForest::build(KeyData::F32(&k), h, cfg.clone(), 4, PageFormat::Native).is_err(), "page size");
+    assert!(HeadForest::build(KeyData::F32(&k), 3, cfg.clone(), 8, PageFormat::Native).is_err(), "heads do not divide");
+    assert!(
+        HeadForest::build(KeyData::F32(&k), h, Config::new(d, Metric::L2), 8, PageFormat::Native).is_err(),
+        "metric"
+    );
     let mut f = forest(&k, h, d, s);
     let q = keys(1, 3, d, 8);
     let ok =
         SelectParams { max_pages: 4, scale: 0.3, effort: Some(1.0), exact: false, successors: 0, group_view: false };
-    assert!(f.select(&q, ok).is_err(), "3 query heads for 2 KV heads");
+    assert!(f.select(&q, ok, None).is_err(), "3 query heads for 2 KV heads");
     let q4 = keys(1, 4, d, 8);
-    assert!(f.select(&q4, SelectParams { max_pages: 0, ..ok }).is_err());
-    assert!(f.select(&q4, SelectParams { scale: f32::NAN, ..ok }).is_err());
+    assert!(f.select(&q4, SelectParams { max_pages: 0, ..ok }, None).is_err());
+    assert!(f.select(&q4, SelectParams { scale: f32::NAN, ..ok }, None).is_err());
+    assert!(f.select(&q4, ok, Some(&[0u8; 64])).is_err(), "a K store for a forest that keeps its codes");
     let p = f.max_pages();
     let mut small = vec![0f32; h * p * s * d];
     let mut small_v = small.clone();
@@ -363,6 +382,7 @@ fn sizes_beyond_the_data_are_errors_or_cost_nothing() {
         let r = f.select(
             &q,
             SelectParams { max_pages, scale: 0.3, effort: Some(1.0), exact: false, successors: 0, group_view: false },
+            None,
         );
         assert!(matches!(r, Err(icecache::Error::Memory(_))), "max_pages {max_pages}");
     }
@@ -386,13 +406,13 @@ fn calibrate_sets_each_heads_effort_and_selection_uses_it() {
     }
     // Bad input changes nothing.
     let before = f.efforts();
-    assert!(f.calibrate(&q, 3, 50, 0.95, 0.0625..=64.0).is_err(), "3 query heads for 2 KV heads");
-    assert!(f.calibrate(&q, h * group, n + 1, 0.95, 0.0625..=64.0).is_err(), "k beyond the keys");
-    assert!(f.calibrate(&q, h * group, 50, 1.5, 0.0625..=64.0).is_err(), "target");
-    assert!(f.calibrate(&[], h * group, 50, 0.95, 0.0625..=64.0).is_err(), "no queries");
+    assert!(f.calibrate(&q, 3, 50, 0.95, 0.0625..=64.0, None).is_err(), "3 query heads for 2 KV heads");
+    assert!(f.calibrate(&q, h * group, n + 1, 0.95, 0.0625..=64.0, None).is_err(), "k beyond the keys");
+    assert!(f.calibrate(&q, h * group, 50, 1.5, 0.0625..=64.0, None).is_err(), "target");
+    assert!(f.calibrate(&[], h * group, 50, 0.95, 0.0625..=64.0, None).is_err(), "no queries");
     assert_eq!(f.efforts(), before);
 
-    let found = f.calibrate(&q, h * group, 50, 0.95, 0.0625..=64.0).unwrap();
+    let found = f.calibrate(&q, h * group, 50, 0.95, 0.0625..=64.0, None).unwrap();
     assert_eq!(found.len(), h);
     assert_eq!(f.efforts(), found.iter().map(|c| c.effort).collect::<Vec<_>>());
     for c in &found {
@@ -404,12 +424,12 @@ fn calibrate_sets_each_heads_effort_and_selection_uses_it() {
     let mut differs = false;
     for i in 0..nq {
         let step: Vec<f32> = (0..h * group).flat_map(|j| q[(j * nq + i) * d..(j * nq + i + 1) * d].to_vec()).collect();
-        let (own, _) = f.select(&step, params).unwrap();
+        let (own, _) = f.select(&step, params, None).unwrap();
         for (head, c) in found.iter().enumerate() {
-            let (at, _) = f.select(&step, SelectParams { effort: Some(c.effort), ..params }).unwrap();
+            let (at, _) = f.select(&step, SelectParams { effort: Some(c.effort), ..params }, None).unwrap();
             assert_eq!(own[head * 2..(head + 1) * 2], at[head * 2..(head + 1) * 2], "step {i}, head {head}");
         }
-        let (small, _) = f.select(&step, SelectParams { effort: Some(1.0 / 64.0), ..params }).unwrap();
+        let (small, _) = f.select(&step, SelectParams { effort: Some(1.0 / 64.0), ..params }, None).unwrap();
         differs |= own != small;
     }
     // Which makes a difference: a far smaller effort selects otherwise.

@@ -922,9 +922,9 @@ def test_effort_auto_calibrates_each_leader_on_its_prompt_queries(monkeypatch):
             prompt_queries[module.layer_idx] = query.detach().clone()
         return sdpa(module, query, *args, **kwargs)
 
-    def recorded(self, queries):
+    def recorded(self, queries, store):
         calibrated.append((self, queries.clone()))
-        return calibrate(self, queries)
+        return calibrate(self, queries, store)
 
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", seen)
     monkeypatch.setattr(PageIndex, "calibrate", recorded)
@@ -1084,17 +1084,24 @@ def test_int8_pages_halve_the_host_store_bytes():
     assert per_token["int8"] == 2 * 2 * (16 + 4)
 
 
-def test_host_bytes_count_the_indexes():
-    """``IceCache.nbytes()["host"]`` counts every index (``HeadForest.nbytes``: its key copy,
-    codes and cells) besides the page stores: the index of a token outweighs its int8 K and V."""
+@pytest.mark.parametrize("page_format", ["native", "int8"])
+def test_host_bytes_count_the_indexes(page_format):
+    """``IceCache.nbytes()["host"]`` counts every index (``HeadForest.nbytes``: its tree, cells
+    and page maps) besides the page stores. With 8-bit pages a key is stored once, as its K
+    row: the index is small beside the stores. With 16-bit pages the index keeps every key's
+    int8 row (``D + 4`` bytes per token and KV head) on top."""
     model = tiny_model("llama")
-    cache = IceCache(IceCacheConfig(budget=96, full_layers=1, page_format="int8"), model)
+    cache = IceCache(IceCacheConfig(budget=96, full_layers=1, page_format=page_format), model)
     run_steps(model, prompt_ids(600, seed=8), cache, 2)
     layers = ice_layers(cache)
     stores = sum(s.k.numel() * s.k.element_size() * 2 for layer in layers for s in layer.stores)
     indexes = sum(ix.forest.nbytes() for layer in layers for ix in layer.indexes)
-    # float32 keys alone: 4 bytes per value, against (D + 4) / D bytes in an int8 page
-    assert indexes > stores > 0
+    rows = sum(len(ix.forest) * ix.forest.num_heads * (ix.forest.dim + 4) for layer in layers for ix in layer.indexes)
+    assert stores > 0 and rows > 0
+    if page_format == "int8":
+        assert indexes < rows < stores
+    else:
+        assert indexes > rows
     buffers = sum(layer._bufs.nbytes() for layer in layers) + cache.runtime.transit.nbytes()
     assert cache.nbytes()["host"] == stores + indexes + buffers
 
@@ -1124,7 +1131,15 @@ def test_int8_page_format_is_validated():
     assert int8.rows_at == native.rows_at
     assert (int8.bytes - int8.rows_at, native.bytes - native.rows_at) == (2 * 2 * 4 * 16 * 20, 2 * 2 * 4 * 16 * 16 * 4)
     k = np.zeros((2, 1, 16 * 20), np.uint8)
-    forest = icecache.HeadForest(np.random.default_rng(0).standard_normal((2, 40, 16)).astype(np.float32), page_size=16)
+    keys = np.random.default_rng(0).standard_normal((2, 40, 16)).astype(np.float32)
+    native = icecache.HeadForest(keys, page_size=16)
+    with pytest.raises(ValueError, match="page_format"):
+        native.write_pages(keys, keys, np.zeros((2, 8, 16 * 20), np.uint8), np.zeros((2, 8, 16 * 20), np.uint8))
+    with pytest.raises(ValueError, match="page_format"):
+        icecache.HeadForest(keys, page_format="fp8")
+    forest = icecache.HeadForest(keys, page_size=16, page_format="int8")
+    with pytest.raises(ValueError, match="write_pages first"):
+        forest.select(keys[:, 0], 1, k_store=np.zeros((2, 8, 16 * 20), np.uint8))
     with pytest.raises(ValueError, match="k_store"):
         forest.write_pages(np.zeros((2, 40, 16), np.float32), np.zeros((2, 40, 16), np.float32), k, k.copy())
     bad = np.zeros((2, 40, 16), np.float32)

@@ -217,19 +217,27 @@ class Calibration:
 
 @final
 class HeadForest:
-    """One M-DCI tree per KV head of one layer of one sequence, with the tree's leaf cells laid
-    out as **semantic pages**: runs of at most ``page_size`` tokens whose keys are close (each
-    leaf cell is cut along its principal axes into full pages and at most one part-filled one).
+    """One tree per KV head of one layer of one sequence, with the leaf cells of an M-DCI tree
+    over the keys laid out as **semantic pages**: runs of at most ``page_size`` tokens whose keys
+    are close (each leaf cell is cut along its principal axes into full pages and at most one
+    part-filled one).
 
     ``keys`` is ``[H_kv, n, d]`` (float32, float16, or bfloat16 as a ``uint16`` view). Token ``i``
     of every head has position ``i``; inserted tokens continue at ``n, n + 1, ...``.
     Trees are built in parallel (one per head), without the GIL.
+
+    Each key is kept once, as the int8 row of its page (``max |x| / 127`` scale per row, the
+    rows 8-bit stores hold): with ``page_format="int8"`` in the caller's K store, which
+    ``select``, ``calibrate`` and ``insert`` then read (pass it as ``k_store``), otherwise in
+    the forest itself (``nbytes`` counts it). Selection scores keys from these rows. The build's
+    float32 keys are not kept.
 
     Threads: ``select``, ``write_pages`` and the getters run in parallel; ``insert`` is a writer
     (see the module docs).
 
     Args:
         page_size: tokens per page (8..=64).
+        page_format: the page stores' format, ``"native"`` (the tokens' dtype) or ``"int8"``.
         seed, threads, num_simple, num_composite: as for ``DCIIndex``; head ``h`` uses
             ``seed + h``.
         effort: the query effort (a number; ``"auto"`` is ``DCIIndex``'s only).
@@ -242,6 +250,7 @@ class HeadForest:
         keys: npt.ArrayLike,
         *,
         page_size: int = 16,
+        page_format: str = "native",
         seed: Optional[int] = None,
         threads: Optional[int] = None,
         num_simple: Optional[int] = None,
@@ -255,6 +264,9 @@ class HeadForest:
     def dim(self) -> int: ...
     @property
     def page_size(self) -> int: ...
+    @property
+    def page_format(self) -> str:
+        """The page stores' format: ``"native"`` or ``"int8"``."""
     def __len__(self) -> int:
         """Tokens per head."""
     def num_pages(self, head: int) -> int:
@@ -262,9 +274,9 @@ class HeadForest:
     def max_pages(self) -> int:
         """Largest ``num_pages`` over the heads: the page stores need at least this many."""
     def nbytes(self) -> int:
-        """Approximate host bytes of the trees and page layouts: each index's float32 key copy,
-        int8 codes, projections and cells, each page's token list. The page stores, which the
-        caller owns, are not counted."""
+        """Approximate host bytes of the trees, cells and page layouts, and, with
+        ``page_format="native"``, the int8 rows of the keys the forest keeps. The page stores,
+        which the caller owns, are not counted."""
     def page_tokens(self, head: int, page: int) -> npt.NDArray[np.int64]:
         """Token positions in ``page`` of ``head``, in slot order (at most ``page_size``)."""
     def token_map(self, head: int) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
@@ -274,15 +286,19 @@ class HeadForest:
     ) -> None:
         """Writes K and V of every token (``[H_kv, n, d]`` in position order) into the page stores
         (``[H_kv, P, page_size, d]``, same dtype, writable, ``P >= max_pages()``), in parallel.
+        Unfilled slots of the forest's pages are zeroed; pages past them are left untouched.
 
-        8-bit stores: uint8 ``[H_kv, P, page_size * (d + 4)]``; each page holds its rows' int8
-        codes (``page_size * d`` bytes), then one float32 scale per row (``max |x| / 127``; a row
-        is ``code * scale`` within ``scale / 2``). Values must then be finite (``ValueError``)."""
+        8-bit stores (``page_format="int8"``): uint8 ``[H_kv, P, page_size * (d + 4)]``; each page
+        holds its rows' int8 codes (``page_size * d`` bytes), then one float32 scale per row
+        (``max |x| / 127``; a row is ``code * scale`` within ``scale / 2``). Values must then be
+        finite (``ValueError``). The K store written is where the forest reads its keys from
+        afterwards. (A reuse group's followers write their own stores in the leader's layout.)"""
     def select(
         self,
         queries: npt.ArrayLike,
         max_pages: int,
         *,
+        k_store: Optional[npt.ArrayLike] = None,
         scale: Optional[float] = None,
         effort: Optional[float] = None,
         exact: bool = False,
@@ -293,7 +309,9 @@ class HeadForest:
         query head ``j`` belongs to KV head ``j // (H_q // H_kv)``). Returns ``(pages, counts)``:
         ``pages[h, :counts[h]]`` are KV head ``h``'s pages ranked by the group's attention mass
         (each query head's softmax with ``scale``, default ``1/sqrt(d)``, over the keys its search
-        scores, summed over the group); the rest is -1. ``exact`` scores every key exactly.
+        scores, summed over the group); the rest is -1. Keys are scored from their int8 rows
+        against the int8 query; ``exact`` scores every key instead of searching. ``k_store``: the
+        8-bit K store the forest's keys live in (``page_format="int8"``; ``None`` otherwise).
         ``effort``: the search effort of every head; ``None``: each head's own (``efforts``, as
         ``calibrate`` set them). ``successors``: the weight of each query head's ``successors``
         heaviest keys also goes to the page holding the next position (for selecting a step
@@ -309,19 +327,20 @@ class HeadForest:
         k: int,
         target_recall: float = 0.95,
         *,
+        k_store: Optional[npt.ArrayLike] = None,
         min_effort: float = 0.0625,
         max_effort: float = 64.0,
     ) -> List[Calibration]:
         """Calibrates each KV head's own effort (``efforts``; what ``select`` uses with
         ``effort=None``) as ``DCIIndex.calibrate`` does, on the queries of its GQA group:
         ``queries`` is ``[H_q, n, d]`` (e.g. the last queries of the prompt at this layer; query
-        head ``j`` belongs to KV head ``j // (H_q // H_kv)``), recall@``k`` counted against the
-        head's exact scan (one scan of its keys per query). Selection scores every key of its
-        field of view, which holds that of a ``k``-query at the same effort when
-        ``max_pages * page_size >= 2 * k * max(effort, 1)`` (its pool is then at least as
-        large), so it scores at least the calibrated share of each query's true top-``k``. Returns
-        one ``Calibration`` per KV head. Every head is measured (in parallel) before any
-        changes: bad input raises ``ValueError`` and changes nothing."""
+        head ``j`` belongs to KV head ``j // (H_q // H_kv)``). A query's recall@``k`` is the share
+        of its ``k`` best keys (one scan of every key's int8 row per query, scored as selection
+        scores them) in the field of view of a selection of ``2 * k`` tokens at that effort, so
+        a selection with ``max_pages * page_size >= 2 * k`` scores at least the calibrated share
+        of each query's top ``k``. ``k_store`` as for :meth:`select`. Returns one
+        ``Calibration`` per KV head. Every head is measured (in parallel) before any changes:
+        bad input raises ``ValueError`` and changes nothing."""
     @property
     def efforts(self) -> List[float]:
         """Each KV head's own search effort (the constructor's, or as ``calibrate`` set it)."""
@@ -331,7 +350,9 @@ class HeadForest:
         """Appends ``m`` tokens per head (``[H_kv, m, d]``), writes their K/V (and any tokens a page
         split moves) into the stores, and returns per head the pages whose contents changed.
         The stores need ``P >= max_pages() + m``. 8-bit stores as for :meth:`write_pages`: new
-        tokens are quantised, moved tokens keep their codes and scales."""
+        tokens are quantised, moved tokens keep their codes and scales. Each new key joins the
+        leaf cell nearest it (or, with the first promotion ratio, opens one of its own) and the
+        nearest page of that cell with room; when all are full, the nearest page splits in two."""
 
 @final
 class ResidentPages:

@@ -8,9 +8,9 @@ use pyo3::prelude::*;
 
 use super::arrays::{check_shape, matrix, ro, rw, to_i32, with_elem, Keys, NdArray1, NdArray2};
 use super::dci_index::{apply_config, make_pool, PyCalibration};
-use super::guard::{entry, on_pool, release, run, sizes, Shared};
+use super::guard::{entry, on_pool, release, run, sizes, to_py, Shared};
 use crate::index::{DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
-use crate::pages::{int8, HeadForest};
+use crate::pages::{int8, HeadForest, PageFormat};
 use crate::select::SelectParams;
 
 /// One M-DCI tree per KV head of one layer, laid out as semantic pages.
@@ -23,6 +23,7 @@ pub struct PyHeadForest {
     pub(super) num_heads: usize,
     pub(super) dim: usize,
     pub(super) page_size: usize,
+    format: PageFormat,
 }
 
 impl PyHeadForest {
@@ -43,23 +44,58 @@ impl PyHeadForest {
         check_shape("k_store", k_shape, &want)?;
         check_shape("v_store", v_shape, &want)
     }
-}
 
-/// Whether `store` is an 8-bit page store (uint8), rather than one in the tokens' dtype.
-fn is_int8_store(store: &Bound<'_, PyAny>) -> PyResult<bool> {
-    let a = super::arrays::numpy_of(store)?;
-    Ok(a.dtype().is_equiv_to(&numpy::dtype::<u8>(a.py())))
+    /// Whether this forest's stores are 8-bit, after checking that `k_store` is of that kind
+    /// (uint8 for 8-bit stores, the tokens' dtype otherwise).
+    fn int8_stores(&self, k_store: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let a = super::arrays::numpy_of(k_store)?;
+        let uint8 = a.dtype().is_equiv_to(&numpy::dtype::<u8>(a.py()));
+        let int8 = self.format == PageFormat::Int8;
+        if uint8 != int8 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "this forest was built with page_format={:?}: its stores are {}, not {}",
+                self.format.name(),
+                if int8 { "uint8" } else { "in the tokens' dtype" },
+                a.dtype()
+            )));
+        }
+        Ok(int8)
+    }
+
+    /// An 8-bit K store: `[H_kv, P, int8_page_bytes]` uint8.
+    fn check_k_store(&self, shape: &[usize]) -> PyResult<()> {
+        check_shape("k_store", shape, &[Some(self.num_heads), None, Some(int8::page_bytes(self.page_size, self.dim))])
+    }
+
+    /// `f(forest, codes)` on shared access: `codes` is `k_store`'s bytes when one is given
+    /// (borrowed after the lock, with the GIL), for the core's work without the GIL.
+    fn with_codes<R: Send>(
+        &self,
+        py: Python<'_>,
+        k_store: Option<&Bound<'_, PyAny>>,
+        f: impl FnOnce(&HeadForest, Option<&[u8]>) -> crate::Result<R> + Send,
+    ) -> PyResult<R> {
+        let Some(store) = k_store else { return self.inner.view(py, |forest| f(forest, None)) };
+        let store = store.clone().unbind();
+        self.inner.with_read(py, |py, forest| {
+            let (codes, shape) = ro::<u8>(store.bind(py), "k_store")?;
+            self.check_k_store(&shape)?;
+            let codes = codes.as_slice()?;
+            release(py, || f(forest, Some(codes)))
+        })
+    }
 }
 
 #[pymethods]
 impl PyHeadForest {
     #[new]
-    #[pyo3(signature = (keys, *, page_size = 16, seed = None, threads = None, num_simple = None, num_composite = None, promotion = None, effort = 1.0))]
+    #[pyo3(signature = (keys, *, page_size = 16, page_format = "native", seed = None, threads = None, num_simple = None, num_composite = None, promotion = None, effort = 1.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = sizes::page_size)] page_size: usize,
+        page_format: &str,
         #[pyo3(from_py_with = sizes::seed)] seed: Option<u64>,
         #[pyo3(from_py_with = sizes::threads)] threads: Option<usize>,
         #[pyo3(from_py_with = sizes::num_simple)] num_simple: Option<usize>,
@@ -68,15 +104,16 @@ impl PyHeadForest {
         effort: f32,
     ) -> PyResult<Self> {
         entry(|| {
+            let format = PageFormat::parse(page_format).map_err(to_py)?;
             let (keys, shape) = Keys::extract_nd(keys, "keys", 0, 3)?;
             let mut cfg = HeadForest::default_config(shape[2]);
             apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
             let pool = make_pool(threads)?;
             let data = keys.data()?;
             let p = pool.as_deref();
-            let inner = run(py, || on_pool(p, true, || HeadForest::build(data, shape[0], cfg, page_size)))?;
+            let inner = run(py, || on_pool(p, true, || HeadForest::build(data, shape[0], cfg, page_size, format)))?;
             let (num_heads, dim, page_size) = (inner.num_heads(), inner.dim(), inner.page_size());
-            Ok(PyHeadForest { inner: Shared::new(inner, "HeadForest"), pool, num_heads, dim, page_size })
+            Ok(PyHeadForest { inner: Shared::new(inner, "HeadForest"), pool, num_heads, dim, page_size, format })
         })
     }
 
@@ -98,6 +135,12 @@ impl PyHeadForest {
         self.page_size
     }
 
+    /// The page stores' format: ``"native"`` (the tokens' dtype) or ``"int8"``.
+    #[getter]
+    fn page_format(&self) -> &'static str {
+        self.format.name()
+    }
+
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
         entry(|| self.inner.view(py, |f| Ok(f.len())))
     }
@@ -106,8 +149,11 @@ impl PyHeadForest {
         entry(|| {
             let (len, max_pages) = self.inner.view(py, |f| Ok((f.len(), f.max_pages())))?;
             Ok(format!(
-                "HeadForest(num_heads={}, tokens={len}, dim={}, page_size={}, max_pages={max_pages})",
-                self.num_heads, self.dim, self.page_size
+                "HeadForest(num_heads={}, tokens={len}, dim={}, page_size={}, page_format={:?}, max_pages={max_pages})",
+                self.num_heads,
+                self.dim,
+                self.page_size,
+                self.format.name()
             ))
         })
     }
@@ -149,7 +195,7 @@ impl PyHeadForest {
         #[pyo3(from_py_with = sizes::head)] head: usize,
     ) -> PyResult<(NdArray1<'py, i32>, NdArray1<'py, i32>)> {
         entry(|| {
-            let m = self.inner.view(py, |f| Ok(f.token_map(head)?.to_vec()))?;
+            let m = self.inner.view(py, |f| f.token_map(head))?;
             let pages = to_i32(m.iter().map(|x| x.0), "page")?;
             let slots = to_i32(m.iter().map(|x| x.1), "slot")?;
             Ok((pages.into_pyarray(py), slots.into_pyarray(py)))
@@ -173,7 +219,7 @@ impl PyHeadForest {
                 let (h, d) = (self.num_heads, self.dim);
                 let n = forest.len();
                 let pool = self.pool();
-                if is_int8_store(k_store)? {
+                if self.int8_stores(k_store)? {
                     return with_elem!(k_src, "k_src", |T| {
                         let (mut ks, kshape) = rw::<u8>(k_store, "k_store")?;
                         let (mut vs, vshape) = rw::<u8>(v_store, "v_store")?;
@@ -204,13 +250,14 @@ impl PyHeadForest {
     }
 
     /// Pages for one decode step: ``(pages [H_kv, max_pages] int32, counts [H_kv] int32)``.
-    #[pyo3(signature = (queries, max_pages, *, scale = None, effort = None, exact = false, successors = 0, group_view = false))]
+    #[pyo3(signature = (queries, max_pages, *, k_store = None, scale = None, effort = None, exact = false, successors = 0, group_view = false))]
     #[allow(clippy::too_many_arguments)]
     fn select<'py>(
         &self,
         py: Python<'py>,
         queries: &Bound<'py, PyAny>,
         #[pyo3(from_py_with = sizes::max_pages)] max_pages: usize,
+        k_store: Option<&Bound<'py, PyAny>>,
         scale: Option<f32>,
         effort: Option<f32>,
         exact: bool,
@@ -219,35 +266,35 @@ impl PyHeadForest {
     ) -> PyResult<(NdArray2<'py, i32>, NdArray1<'py, i32>)> {
         entry(|| {
             let (q, _) = Keys::extract(queries, "queries", self.dim)?;
-            let q = q.data()?;
+            let q = q.data()?.to_f32_vec();
+            let params = SelectParams {
+                max_pages,
+                scale: scale.unwrap_or(1.0 / (self.dim as f32).sqrt()),
+                effort,
+                exact,
+                successors,
+                group_view,
+            };
             let pool = self.pool();
-            let dim = self.dim;
-            let (pages, counts) = self.inner.view(py, |f| {
-                let params = SelectParams {
-                    max_pages,
-                    scale: scale.unwrap_or(1.0 / (dim as f32).sqrt()),
-                    effort,
-                    exact,
-                    successors,
-                    group_view,
-                };
-                on_pool(pool, true, || f.select(&q.to_f32_vec(), params))
-            })?;
+            let (pages, counts) =
+                self.with_codes(py, k_store, |f, codes| on_pool(pool, true, || f.select(&q, params, codes)))?;
             Ok((matrix(py, (self.num_heads, max_pages), pages)?, counts.into_pyarray(py)))
         })
     }
 
     /// Calibrates each head's default effort on its GQA group's queries ``[H_q, n, d]``.
     #[pyo3(
-        signature = (queries, k, target_recall = 0.95, *, min_effort = DEFAULT_MIN_EFFORT, max_effort = DEFAULT_MAX_EFFORT),
-        text_signature = "(self, queries, k, target_recall=0.95, *, min_effort=0.0625, max_effort=64.0)"
+        signature = (queries, k, target_recall = 0.95, *, k_store = None, min_effort = DEFAULT_MIN_EFFORT, max_effort = DEFAULT_MAX_EFFORT),
+        text_signature = "(self, queries, k, target_recall=0.95, *, k_store=None, min_effort=0.0625, max_effort=64.0)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn calibrate(
         &self,
         py: Python<'_>,
         queries: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = sizes::k)] k: usize,
         target_recall: f64,
+        k_store: Option<&Bound<'_, PyAny>>,
         min_effort: f32,
         max_effort: f32,
     ) -> PyResult<Vec<PyCalibration>> {
@@ -255,9 +302,23 @@ impl PyHeadForest {
             let (q, shape) = Keys::extract_nd(queries, "queries", self.dim, 3)?;
             let q = q.data()?.to_f32_vec();
             let pool = self.pool();
-            let found = self.inner.update(py, |f| {
-                on_pool(pool, true, || f.calibrate(&q, shape[0], k, target_recall, min_effort..=max_effort))
-            })?;
+            let efforts = min_effort..=max_effort;
+            let found = match k_store {
+                None => self.inner.update(py, |f| {
+                    on_pool(pool, true, || f.calibrate(&q, shape[0], k, target_recall, efforts, None))
+                })?,
+                Some(store) => {
+                    let store = store.clone().unbind();
+                    self.inner.with_write(py, |py, f| {
+                        let (codes, shape_k) = ro::<u8>(store.bind(py), "k_store")?;
+                        self.check_k_store(&shape_k)?;
+                        let codes = codes.as_slice()?;
+                        release(py, || {
+                            on_pool(pool, true, || f.calibrate(&q, shape[0], k, target_recall, efforts, Some(codes)))
+                        })
+                    })?
+                }
+            };
             Ok(found.into_iter().map(PyCalibration::from).collect())
         })
     }
@@ -283,7 +344,7 @@ impl PyHeadForest {
             let changed = self.inner.with_write(py, |py, forest| {
                 let [keys, values, k_store, v_store] = arrays.each_ref().map(|a| a.bind(py));
                 let (h, d) = (self.num_heads, self.dim);
-                if is_int8_store(k_store)? {
+                if self.int8_stores(k_store)? {
                     return with_elem!(keys, "keys", |T| {
                         let (mut ks, kshape) = rw::<u8>(k_store, "k_store")?;
                         let (mut vs, vshape) = rw::<u8>(v_store, "v_store")?;

@@ -91,7 +91,6 @@ impl DciIndex {
         target: f64,
         efforts: RangeInclusive<f32>,
     ) -> Result<Calibration> {
-        let (min_effort, max_effort) = (*efforts.start(), *efforts.end());
         let t0 = Instant::now();
         let queries = queries.to_f32_vec();
         let nq = check_rows(&queries, self.cfg.dim, "queries")?;
@@ -99,82 +98,18 @@ impl DciIndex {
         ensure!(self.len > 0, "the index is empty");
         ensure!(k >= 1, "k must be at least 1, got {k}");
         ensure!(k <= self.len, "k = {k} is larger than the number of points in the index ({})", self.len);
-        ensure!(target > 0.0 && target <= 1.0, "target_recall must be in (0, 1], got {target}");
-        ensure!(
-            max_effort.is_finite() && max_effort >= START_EFFORT,
-            "max_effort must be a finite number of at least {START_EFFORT}, got {max_effort}"
-        );
-        ensure!(
-            min_effort > 0.0 && min_effort <= START_EFFORT,
-            "min_effort must be in (0, {START_EFFORT}], got {min_effort}"
-        );
+        check_search(target, &efforts)?;
         let queries = self.shift_rows(queries);
         let (exact, _) = self.query_batch(&queries, nq, k, 1.0, true)?;
         let mut truth: Vec<Vec<i64>> = exact.chunks_exact(k).map(|r| r.to_vec()).collect();
         truth.iter_mut().for_each(|r| r.sort_unstable());
-
-        let mut tried: Vec<(f32, f64, f64)> = Vec::new();
-        let mut measure = |effort: f32| -> Result<(f64, f64, bool)> {
+        search_effort(target, efforts, k, nq, t0, |effort| {
             let (found, _) = self.query_batch(&queries, nq, k, effort, false)?;
-            let (mean, se) = recall_stats(&found, &truth, k);
-            tried.push((effort, mean, se));
-            Ok((mean, se, mean - MARGIN_SE * se >= target - 1e-9))
-        };
-
-        // Bracket: `hi` reaches the target, `lo` (when known) does not.
-        let (mut lo, mut hi) = (None, None);
-        let mut e = START_EFFORT;
-        if measure(e)?.2 {
-            hi = Some(e);
-            while e > min_effort {
-                e = (e / 2.0).max(min_effort);
-                if measure(e)?.2 {
-                    hi = Some(e);
-                } else {
-                    lo = Some(e);
-                    break;
-                }
-            }
-        } else {
-            lo = Some(e);
-            while e < max_effort {
-                e = (e * 2.0).min(max_effort);
-                if measure(e)?.2 {
-                    hi = Some(e);
-                    break;
-                }
-                lo = Some(e);
-            }
-        }
-        if let (Some(mut l), Some(mut h)) = (lo, hi) {
-            while h / l > RESOLUTION {
-                let mid = (l * h).sqrt();
-                if measure(mid)?.2 {
-                    h = mid;
-                } else {
-                    l = mid;
-                }
-            }
-            hi = Some(h);
-        }
-        let (effort, recall, recall_stderr) = match hi {
-            Some(h) => *tried.iter().find(|t| t.0 == h).expect("every bracket end was measured"),
-            // Unreachable: the best recall tried (the smallest effort among equals).
-            None => *tried
-                .iter()
-                .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.total_cmp(&a.0)))
-                .expect("at least one effort was measured"),
-        };
-        Ok(Calibration {
-            effort,
-            recall,
-            recall_stderr,
-            reached: hi.is_some(),
-            target,
-            k,
-            queries: nq,
-            evaluations: tried.len(),
-            seconds: t0.elapsed().as_secs_f64(),
+            Ok(found
+                .chunks_exact(k)
+                .zip(&truth)
+                .map(|(f, t)| f.iter().filter(|id| t.binary_search(id).is_ok()).count() as f64 / k as f64)
+                .collect())
         })
     }
 
@@ -237,14 +172,99 @@ impl DciIndex {
     }
 }
 
-/// Mean recall@k of `found` (`nq × k` ids) against `truth` (sorted ids per query) and the
-/// standard error of that mean.
-fn recall_stats(found: &[i64], truth: &[Vec<i64>], k: usize) -> (f64, f64) {
-    let per: Vec<f64> = found
-        .chunks_exact(k)
-        .zip(truth)
-        .map(|(f, t)| f.iter().filter(|id| t.binary_search(id).is_ok()).count() as f64 / k as f64)
-        .collect();
+/// `Err` unless `target` and `efforts` are a valid calibration target and effort range.
+pub(crate) fn check_search(target: f64, efforts: &RangeInclusive<f32>) -> Result<()> {
+    let (min_effort, max_effort) = (*efforts.start(), *efforts.end());
+    ensure!(target > 0.0 && target <= 1.0, "target_recall must be in (0, 1], got {target}");
+    ensure!(
+        max_effort.is_finite() && max_effort >= START_EFFORT,
+        "max_effort must be a finite number of at least {START_EFFORT}, got {max_effort}"
+    );
+    ensure!(
+        min_effort > 0.0 && min_effort <= START_EFFORT,
+        "min_effort must be in (0, {START_EFFORT}], got {min_effort}"
+    );
+    Ok(())
+}
+
+/// The effort search of the module docs, over `measure(effort)`: the recall of each of `nq`
+/// sample queries at that effort (checked by `check_search` first). `t0` is when the whole
+/// calibration started.
+pub(crate) fn search_effort(
+    target: f64,
+    efforts: RangeInclusive<f32>,
+    k: usize,
+    nq: usize,
+    t0: Instant,
+    mut measure: impl FnMut(f32) -> Result<Vec<f64>>,
+) -> Result<Calibration> {
+    let (min_effort, max_effort) = (*efforts.start(), *efforts.end());
+    let mut tried: Vec<(f32, f64, f64)> = Vec::new();
+    let mut reaches = |effort: f32| -> Result<bool> {
+        let (mean, se) = mean_stderr(&measure(effort)?);
+        tried.push((effort, mean, se));
+        Ok(mean - MARGIN_SE * se >= target - 1e-9)
+    };
+
+    // Bracket: `hi` reaches the target, `lo` (when known) does not.
+    let (mut lo, mut hi) = (None, None);
+    let mut e = START_EFFORT;
+    if reaches(e)? {
+        hi = Some(e);
+        while e > min_effort {
+            e = (e / 2.0).max(min_effort);
+            if reaches(e)? {
+                hi = Some(e);
+            } else {
+                lo = Some(e);
+                break;
+            }
+        }
+    } else {
+        lo = Some(e);
+        while e < max_effort {
+            e = (e * 2.0).min(max_effort);
+            if reaches(e)? {
+                hi = Some(e);
+                break;
+            }
+            lo = Some(e);
+        }
+    }
+    if let (Some(mut l), Some(mut h)) = (lo, hi) {
+        while h / l > RESOLUTION {
+            let mid = (l * h).sqrt();
+            if reaches(mid)? {
+                h = mid;
+            } else {
+                l = mid;
+            }
+        }
+        hi = Some(h);
+    }
+    let (effort, recall, recall_stderr) = match hi {
+        Some(h) => *tried.iter().find(|t| t.0 == h).expect("every bracket end was measured"),
+        // Unreachable: the best recall tried (the smallest effort among equals).
+        None => *tried
+            .iter()
+            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.total_cmp(&a.0)))
+            .expect("at least one effort was measured"),
+    };
+    Ok(Calibration {
+        effort,
+        recall,
+        recall_stderr,
+        reached: hi.is_some(),
+        target,
+        k,
+        queries: nq,
+        evaluations: tried.len(),
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Mean of per-query recalls and the standard error of that mean (0 for one query).
+fn mean_stderr(per: &[f64]) -> (f64, f64) {
     let n = per.len() as f64;
     let mean = per.iter().sum::<f64>() / n;
     if per.len() < 2 {
@@ -297,7 +317,12 @@ mod tests {
             })
             .collect();
         let (found, _) = idx.query(KeyData::F32(queries), k, Some(effort), false).unwrap();
-        recall_stats(&found, &truth, k).0
+        let per: Vec<f64> = found
+            .chunks_exact(k)
+            .zip(&truth)
+            .map(|(f, t)| f.iter().filter(|id| t.binary_search(id).is_ok()).count() as f64 / k as f64)
+            .collect();
+        mean_stderr(&per).0
     }
 
     #[test]

@@ -23,9 +23,6 @@ pub(super) struct Cell {
     /// Tier 0 only, and only cells of `Config::pdci_min_cell` members or more (empty otherwise):
     /// per P-DCI direction, `(projection, slot)` sorted by projection.
     pub sorted: Vec<Vec<(f32, u32)>>,
-    /// Tier 0 only: the members' tags (`DciIndex::tags`), in member order.
-    #[serde(skip)]
-    pub tags: Vec<u32>,
 }
 
 /// All cells of one tier, plus the per-slot maps into them.
@@ -79,7 +76,6 @@ impl Tier {
                     + c.codes.capacity()
                     + c.scales.capacity() * 4
                     + c.sorted.iter().map(|s| s.capacity() * 8).sum::<usize>()
-                    + c.tags.capacity() * 4
                     + std::mem::size_of::<Cell>()
             })
             .sum();

@@ -35,7 +35,6 @@ impl DciIndex {
                 && self.sq_norms.len() == slots
                 && self.proj.len() == slots * nd
                 && self.ids.len() == slots
-                && self.tags.len() == slots
                 && (self.shift.is_empty() || self.shift.len() == d)
                 && (self.len == 0 || self.code_center.len() == d),
             "array lengths disagree"
@@ -176,7 +175,6 @@ impl DciIndex {
             c.codes.len() == n * d
                 && c.scales.len() == n
                 && c.scales.iter().all(|x| x.is_finite())
-                && c.tags.len() == n
                 && c.sorted.len() == if n >= self.cfg.pdci_min_cell { nd } else { 0 },
             "leaf cell {ci} is inconsistent"
         );
@@ -239,7 +237,7 @@ impl DciIndex {
 
     /// The invariants `check_structure` leaves out because a file can break them without
     /// making any call fail (and a load recomputes the sums and routes): routes equal to their
-    /// members' centroids, codes and leaf tags up to date. Not cheap; for tests.
+    /// members' centroids, codes up to date. Not cheap; for tests.
     pub(crate) fn check_tree(&self) -> Check {
         let d = self.cfg.dim;
         for (t, tier) in self.tiers.iter().enumerate() {
@@ -258,7 +256,6 @@ impl DciIndex {
                 let mut code = vec![0i8; d];
                 let s = self.code_of(m, &mut code);
                 require!(code[..] == c.codes[p * d..(p + 1) * d] && s == c.scales[p], "code of slot {m} is stale");
-                require!(c.tags[p] == self.tags[m as usize], "tag of slot {m} is stale in its leaf cell");
             }
         }
         Ok(())

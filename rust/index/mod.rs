@@ -38,14 +38,15 @@ use std::collections::{HashMap, HashSet};
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 use rand_xoshiro::Xoshiro256PlusPlus;
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ensure, Error, Result};
 use crate::input::{check_rows, KeyData};
 use calibrate::Tuning;
+pub(crate) use calibrate::{check_search, search_effort};
 pub use calibrate::{Calibration, AUTO_MIN_EFFORT, AUTO_SAMPLE, AUTO_TARGET, DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
 use cells::{Tier, NONE};
+pub(crate) use search::field_of_view;
 pub use search::Scratch;
 
 /// Largest supported key dimension.
@@ -60,7 +61,7 @@ pub(crate) const fn build_room(n: usize, dim: usize) -> usize {
 }
 
 /// Headroom applied to `c` when a larger key arrives, so that growth re-derivations stay rare.
-const C_HEADROOM: f32 = 1.05;
+pub(crate) const C_HEADROOM: f32 = 1.05;
 
 /// How keys are compared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -185,12 +186,6 @@ pub struct DciIndex {
     /// Raw projections `k · u[..dim]`, `num_dirs` per slot.
     proj: Vec<f32>,
     ids: Vec<i64>,
-    /// A tag per slot that the index's owner sets (a `HeadForest` tags each key with its page;
-    /// 0 until set). Leaf cells keep a copy in member order, so a scan reads the tags of the
-    /// keys it scores sequentially, beside their codes, instead of one random lookup per key.
-    /// Not saved: only `HeadForest` sets tags, and it is not saved.
-    #[serde(skip)]
-    tags: Vec<u32>,
     /// Level of each slot; `FREE` for an unused slot.
     level: Vec<u8>,
     free_slots: Vec<u32>,
@@ -217,10 +212,6 @@ pub struct DciIndex {
     built: usize,
     #[serde(skip)]
     upper_built: usize,
-    /// Counts the rebuilds of the leaves (their cells' members change; the owner of the index,
-    /// a `HeadForest`, reads it to re-derive what it keeps per leaf cell).
-    #[serde(skip)]
-    leaf_rebuilds: u64,
     /// A pending `effort="auto"` and the last calibration (`calibrate`); saved after the index
     /// in its own section, so that files of format 1 (without it) still load.
     #[serde(skip)]
@@ -256,7 +247,6 @@ impl DciIndex {
             sq_norms: Vec::new(),
             proj: Vec::new(),
             ids: Vec::new(),
-            tags: Vec::new(),
             level: Vec::new(),
             free_slots: Vec::new(),
             id_map: HashMap::new(),
@@ -270,7 +260,6 @@ impl DciIndex {
             next_id: 0,
             built: 0,
             upper_built: 0,
-            leaf_rebuilds: 0,
             tuning: Tuning::default(),
         })
     }
@@ -395,7 +384,6 @@ impl DciIndex {
         let mut bytes = (self.keys.capacity() + self.sq_norms.capacity() + self.proj.capacity() + self.dirs.capacity())
             * f
             + self.ids.capacity() * 8
-            + self.tags.capacity() * 4
             + self.level.capacity()
             + self.id_map.capacity() * 16;
         bytes += self.tiers.iter().map(|t| t.bytes()).sum::<usize>();
@@ -461,53 +449,9 @@ impl DciIndex {
             .flat_map(|t| t.cells.iter().enumerate().filter(|(_, c)| c.live).map(|(i, c)| (i as u32, &c.members[..])))
     }
 
-    /// The id stored in `slot`.
-    pub(crate) fn slot_id(&self, slot: u32) -> i64 {
-        self.ids[slot as usize]
-    }
-
     /// The key stored under `id` (which must exist), as the index holds it.
     pub(crate) fn key_of_id(&self, id: i64) -> &[f32] {
         self.key(self.id_map[&id])
-    }
-
-    /// Tags the point `id` (which must exist); scans report tags (`scan_scores`).
-    pub(crate) fn set_tag(&mut self, id: i64, tag: u32) {
-        let slot = self.id_map[&id] as usize;
-        self.tags[slot] = tag;
-        let leaves = &mut self.tiers[0];
-        let (cell, pos) = (leaves.member_cell[slot] as usize, leaves.member_pos[slot] as usize);
-        leaves.cells[cell].tags[pos] = tag;
-    }
-
-    /// The tag of the point `id` (which must exist).
-    pub(crate) fn tag_of(&self, id: i64) -> u32 {
-        self.tags[self.id_map[&id] as usize]
-    }
-
-    /// Tags every point with `tag(id)`; the leaf cells' copies are rebuilt in parallel.
-    pub(crate) fn set_tags(&mut self, tag: impl Fn(i64) -> u32 + Sync) {
-        let ids = &self.ids;
-        self.tags.par_iter_mut().zip(ids.par_iter()).zip(self.level.par_iter()).for_each(|((t, &id), &l)| {
-            *t = if l == FREE { 0 } else { tag(id) };
-        });
-        let tags = &self.tags;
-        if let Some(leaves) = self.tiers.first_mut() {
-            leaves.cells.par_iter_mut().filter(|c| c.live).for_each(|c| {
-                c.tags.clear();
-                c.tags.extend(c.members.iter().map(|&m| tags[m as usize]));
-            });
-        }
-    }
-
-    /// How many times inserts have rebuilt the leaves (see `leaf_rebuilds` in the struct).
-    pub(crate) fn leaf_rebuilds(&self) -> u64 {
-        self.leaf_rebuilds
-    }
-
-    /// The leaf cell that holds the point with this id (which must exist).
-    pub(crate) fn leaf_cell_of(&self, id: i64) -> u32 {
-        self.tiers[0].member_cell[self.id_map[&id] as usize]
     }
 
     // ---- per-slot helpers shared by tree, search and pdci ----
@@ -552,14 +496,12 @@ impl DciIndex {
             self.sq_norms[i] = sq;
             self.proj[i * nd..(i + 1) * nd].copy_from_slice(&p);
             self.ids[i] = id;
-            self.tags[i] = 0;
             s
         } else {
             self.keys.extend_from_slice(key);
             self.sq_norms.push(sq);
             self.proj.extend_from_slice(&p);
             self.ids.push(id);
-            self.tags.push(0);
             self.level.push(FREE);
             for t in &mut self.tiers {
                 t.grow_slots(self.level.len());

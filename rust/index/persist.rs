@@ -159,11 +159,8 @@ impl DciIndex {
         if !rest.is_empty() {
             return Err(corrupt(&format!("{} bytes after the index", rest.len())));
         }
-        // Tags are not saved (see `DciIndex::tags`): every point loads untagged.
-        index.tags = vec![0; index.level.len()];
         if let Some(leaves) = index.tiers.first_mut() {
             for c in &mut leaves.cells {
-                c.tags = vec![0; c.members.len()];
                 // Files of earlier builds hold P-DCI arrays for every leaf cell; only cells of
                 // `pdci_min_cell` members or more keep them now.
                 if c.members.len() < index.cfg.pdci_min_cell {

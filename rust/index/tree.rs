@@ -142,7 +142,6 @@ impl DciIndex {
             let c = &mut self.tiers[0].cells[cell as usize];
             c.codes.extend_from_slice(&code);
             c.scales.push(scale);
-            c.tags.push(self.tags[slot as usize]);
             if !c.sorted.is_empty() {
                 for j in 0..self.cfg.num_dirs() {
                     let p = self.key_proj(slot, j);
@@ -212,7 +211,6 @@ impl DciIndex {
             }
             c.codes.truncate(last * d);
             c.scales.swap_remove(pos);
-            c.tags.swap_remove(pos);
             for (arr, p) in c.sorted.iter_mut().zip(projs) {
                 let mut at = arr.partition_point(|e| e.0 < p);
                 while arr[at].1 != slot {
@@ -299,8 +297,6 @@ impl DciIndex {
             }
             c.scales.clear();
             c.scales.extend(c.members.iter().map(|&m| scales[m as usize]));
-            c.tags.clear();
-            c.tags.extend(c.members.iter().map(|&m| this.tags[m as usize]));
             if c.members.len() >= this.cfg.pdci_min_cell {
                 this.sort_projections(c);
             } else {
@@ -536,7 +532,6 @@ impl DciIndex {
         self.sq_norms = sq_norms;
         self.proj = proj;
         self.ids = ids.to_vec();
-        self.tags = vec![0; n];
         self.id_map = ids.iter().enumerate().map(|(s, &id)| (id, s as u32)).collect();
         self.free_slots.clear();
         self.len = n;
@@ -665,7 +660,6 @@ impl DciIndex {
             self.code_center = self.live_mean();
             self.reindex_leaves();
             self.built = self.len;
-            self.leaf_rebuilds += 1;
         }
         self.upper_built = self.upper_points();
     }

@@ -58,6 +58,38 @@ pub fn row_parts(page: &[u8], slot: usize, page_size: usize, dim: usize) -> (&[u
     (codes, scale)
 }
 
+/// The int8 K rows of a head's pages: `page_bytes(page_size, dim)` bytes a page (codes, then
+/// scales), as the 8-bit stores hold them.
+#[derive(Clone, Copy)]
+pub(crate) struct PageCodes<'a> {
+    pub bytes: &'a [u8],
+    pub page_size: usize,
+    pub dim: usize,
+}
+
+impl<'a> PageCodes<'a> {
+    fn page(&self, page: u32) -> &'a [u8] {
+        let n = page_bytes(self.page_size, self.dim);
+        &self.bytes[page as usize * n..(page as usize + 1) * n]
+    }
+
+    /// The codes of the first `len` rows of `page`, `[len, dim]`.
+    pub fn rows(&self, page: u32, len: usize) -> &'a [i8] {
+        bytemuck::cast_slice(&self.page(page)[..len * self.dim])
+    }
+
+    /// The scale of row `slot` of `page`.
+    pub fn scale(&self, page: u32, slot: usize) -> f32 {
+        row_parts(self.page(page), slot, self.page_size, self.dim).1
+    }
+
+    /// Row `slot` of `page`, dequantised into `out` (`dim` floats).
+    pub fn row(&self, page: u32, slot: usize, out: &mut [f32]) {
+        let (codes, scale) = row_parts(self.page(page), slot, self.page_size, self.dim);
+        dequantize_row(codes, scale, out);
+    }
+}
+
 /// Quantises `row` into slot `slot` of `page`.
 pub(crate) fn put_row(page: &mut [u8], slot: usize, row: &[f32], s: usize) {
     let d = row.len();

@@ -1,24 +1,28 @@
-//! Semantic pages (docs/ARCHITECTURE.md, section Pages): one M-DCI tree per KV head of one layer of one sequence; the
-//! members of each leaf cell (keys near one parent), split into runs of at most `page_size` keys
-//! that are near each other, are the physical pages of the CPU KV store.
+//! Semantic pages (docs/ARCHITECTURE.md, section Pages): one tree per KV head of one layer of
+//! one sequence; the leaf cells of an M-DCI tree over the keys (keys near one parent), split
+//! into runs of at most `page_size` keys that are near each other, are the physical pages of the
+//! CPU KV store, and each key is kept once, as its page's int8 K row ([`head`]).
 //!
 //! Page stores are `[H_kv, P, page_size, d]` arrays (K and V apart) in the tokens' element type,
 //! or, for 8-bit pages, `[H_kv, P, int8::page_bytes(page_size, d)]` bytes (see [`int8`]); owned
 //! by the caller, this module writes them but never allocates them.
 
+mod head;
 pub mod int8;
 mod split;
 
-use std::collections::HashMap;
 use std::ops::RangeInclusive;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::{ensure, Error, Result};
-use crate::index::{build_room, Calibration, Config, DciIndex, Metric};
+use crate::index::{check_search, search_effort, Calibration, Config, Metric, Scratch};
 use crate::input::{check_rows, KeyData};
-use split::{split_pages, SplitScratch};
+use head::check_codes;
+pub(crate) use head::HeadPages;
 
 /// Allowed page sizes.
 pub const PAGE_SIZES: std::ops::RangeInclusive<usize> = 8..=64;
@@ -66,6 +70,22 @@ pub enum PageFormat {
 }
 
 impl PageFormat {
+    /// `"native"` or `"int8"`, as `IceCacheConfig.page_format` names them.
+    pub fn parse(s: &str) -> Result<PageFormat> {
+        match s {
+            "native" => Ok(PageFormat::Native),
+            "int8" => Ok(PageFormat::Int8),
+            other => Err(Error::Invalid(format!("page_format must be \"native\" or \"int8\", not {other:?}"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PageFormat::Native => "native",
+            PageFormat::Int8 => "int8",
+        }
+    }
+
     /// Bytes of one page of `page_size` rows of `dim` elements of `elem_size` bytes.
     pub fn page_bytes(self, page_size: usize, dim: usize, elem_size: usize) -> usize {
         match self {
@@ -89,6 +109,10 @@ pub(crate) trait Format<T: Elem> {
     fn copy(src: &[Self::Cell], from: usize, dst: &mut [Self::Cell], to: usize, s: usize, d: usize);
     /// Empties rows `from..s` of `page`.
     fn clear_from(page: &mut [Self::Cell], from: usize, s: usize, d: usize);
+    /// The format's name in [`PageFormat`].
+    const FORMAT: PageFormat;
+    /// The store as int8 K rows, when it holds them (8-bit stores).
+    fn codes(store: &[Self::Cell]) -> Option<&[u8]>;
 }
 
 /// Stores in the tokens' own element type: `[H_kv, P, page_size, d]`.
@@ -96,6 +120,7 @@ pub(crate) struct Native;
 
 impl<T: Elem> Format<T> for Native {
     type Cell = T;
+    const FORMAT: PageFormat = PageFormat::Native;
     const FINITE: bool = false;
     fn page_len(s: usize, d: usize) -> usize {
         s * d
@@ -113,6 +138,9 @@ impl<T: Elem> Format<T> for Native {
     fn clear_from(page: &mut [T], from: usize, _s: usize, d: usize) {
         page[from * d..].fill(T::default());
     }
+    fn codes(_store: &[T]) -> Option<&[u8]> {
+        None
+    }
 }
 
 /// 8-bit stores: `[H_kv, P, int8::page_bytes(page_size, d)]` bytes (see [`int8`]).
@@ -120,6 +148,7 @@ pub(crate) struct Int8;
 
 impl<T: Elem> Format<T> for Int8 {
     type Cell = u8;
+    const FORMAT: PageFormat = PageFormat::Int8;
     const FINITE: bool = true;
     fn page_len(s: usize, d: usize) -> usize {
         int8::page_bytes(s, d)
@@ -147,6 +176,9 @@ impl<T: Elem> Format<T> for Int8 {
         page[from * d..s * d].fill(0);
         page[s * d + from * int8::SCALE_BYTES..].fill(0);
     }
+    fn codes(store: &[u8]) -> Option<&[u8]> {
+        Some(store)
+    }
 }
 
 /// `Err` unless every element of `rows` is finite (what 8-bit pages can hold).
@@ -155,28 +187,17 @@ fn check_finite<T: Elem>(rows: &[T], what: &str) -> Result<()> {
     Ok(())
 }
 
-/// The pages of one KV head and the tree that ranks them.
-pub(crate) struct HeadPages {
-    pub index: DciIndex,
-    /// Token positions of each page, in slot order.
-    pub pages: Vec<Vec<u32>>,
-    /// `(page, slot)` of each token position.
-    pub token_page: Vec<(u32, u32)>,
-    /// Sum of each page's keys (`dim` floats per page): where an inserted key fits best.
-    page_sum: Vec<f32>,
-    /// Pages of each leaf cell (where they were born, or, after the index rebuilt its leaves,
-    /// where most of their tokens are): an inserted key joins one of its cell's pages.
-    cell_pages: HashMap<u32, Vec<u32>>,
-    /// The index's leaf rebuilds that `cell_pages` reflects.
-    leaf_rebuilds: u64,
-}
-
-/// One M-DCI tree and page layout per KV head. See the module docs.
+/// One tree and page layout per KV head. See the module docs.
 pub struct HeadForest {
     pub(crate) heads: Vec<HeadPages>,
     page_size: usize,
     dim: usize,
     len: usize,
+    format: PageFormat,
+    /// `Config::rerank`: calibration measures the field of view of `rerank · k` tokens.
+    rerank: usize,
+    /// 8-bit forests read their keys from the caller's K store: whether one was written.
+    written: AtomicBool,
 }
 
 impl HeadForest {
@@ -189,9 +210,18 @@ impl HeadForest {
         cfg
     }
 
-    /// Builds the trees (in parallel, one per head) and pages over `keys` `[num_heads, n, dim]`.
-    /// `cfg.metric` must be inner product (attention); `cfg.seed` seeds head `h` with `seed + h`.
-    pub fn build(keys: KeyData<'_>, num_heads: usize, cfg: Config, page_size: usize) -> Result<HeadForest> {
+    /// Builds the trees (in parallel, one per head) and pages over `keys` `[num_heads, n, dim]`
+    /// for page stores of `format`. `cfg.metric` must be inner product (attention); `cfg.seed`
+    /// seeds head `h` with `seed + h`. With 16-bit stores (`Native`) each head keeps its keys'
+    /// int8 rows itself; with 8-bit stores the K store holds them, and the forest reads them
+    /// there once `write_pages_int8` has written it.
+    pub fn build(
+        keys: KeyData<'_>,
+        num_heads: usize,
+        cfg: Config,
+        page_size: usize,
+        format: PageFormat,
+    ) -> Result<HeadForest> {
         ensure!(PAGE_SIZES.contains(&page_size), "page_size must be in 8..=64, got {page_size}");
         ensure!(cfg.metric == Metric::InnerProduct, "a HeadForest ranks by inner product (metric \"ip\")");
         ensure!(num_heads >= 1, "keys must have at least one head");
@@ -203,22 +233,22 @@ impl HeadForest {
         let n = rows / num_heads;
         ensure!(n >= 1, "keys must hold at least one token per head");
         ensure!(n < u32::MAX as usize / 2, "too many tokens per head: {n}");
-        // Each head's keys are copied (widened) once, into the tree that keeps them, and checked
-        // there: one pass over the layer's keys instead of a copy of the whole layer first.
+        // Each head's keys are widened once, into the build that reads them, and checked there:
+        // one pass over the layer's keys instead of a copy of the whole layer first.
         let heads = (0..num_heads)
             .into_par_iter()
             .map(|h| {
-                let head_keys = keys.part(h * n * d..(h + 1) * n * d).to_f32_vec_with_room(build_room(n, d));
+                let head_keys = keys.part(h * n * d..(h + 1) * n * d).to_f32_vec();
                 check_rows(&head_keys, d, "keys").map_err(|e| match e {
                     Error::Invalid(why) => Error::Invalid(format!("{why} (head {h})")),
                     other => other,
                 })?;
                 let mut c = cfg.clone();
                 c.seed = cfg.seed.map(|s| s.wrapping_add(h as u64));
-                HeadPages::build(head_keys, c, page_size)
+                HeadPages::build(head_keys, &c, page_size, format == PageFormat::Native)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(HeadForest { heads, page_size, dim: d, len: n })
+        Ok(HeadForest { heads, page_size, dim: d, len: n, format, rerank: cfg.rerank, written: AtomicBool::new(false) })
     }
 
     pub fn num_heads(&self) -> usize {
@@ -233,6 +263,11 @@ impl HeadForest {
         self.page_size
     }
 
+    /// The format of the page stores this forest writes (and, for `Int8`, reads its keys from).
+    pub fn format(&self) -> PageFormat {
+        self.format
+    }
+
     /// Tokens per head.
     pub fn len(&self) -> usize {
         self.len
@@ -243,21 +278,52 @@ impl HeadForest {
     }
 
     pub fn num_pages(&self, head: usize) -> Result<usize> {
-        Ok(self.head(head)?.pages.len())
+        Ok(self.head(head)?.num_pages())
     }
 
     /// Each head's default search effort (the configured one, or its calibration's).
     pub fn efforts(&self) -> Vec<f32> {
-        self.heads.iter().map(|h| h.index.config().effort).collect()
+        self.heads.iter().map(|h| h.effort).collect()
     }
 
-    /// Calibrates each head's default effort (`DciIndex::calibrate`) on the queries of its GQA
-    /// group: `queries` is `[q_heads, n, d]` (the runtime's last prompt queries of this layer,
-    /// say), and query head `j` belongs to KV head `j / (q_heads / H_kv)`. Recall@`k` counts
-    /// against each head's exact scan. Selection scores every key of its field of view, which
-    /// holds that of a `k`-query at the same effort when its pool is at least as large
-    /// (`max_pages * page_size >= rerank * k * max(effort, 1)`): it then scores at least the
-    /// calibrated share of each query's true top-`k` keys. Every head is measured (in parallel) before any changes: on error
+    /// Each head's int8 K rows: its own (16-bit stores, `k_store` `None`), or the 8-bit
+    /// `k_store`'s (`[H_kv, P, page bytes]`, the store `write_pages_int8` wrote).
+    pub(crate) fn codes<'a>(&'a self, k_store: Option<&'a [u8]>) -> Result<Vec<int8::PageCodes<'a>>> {
+        match (self.format, k_store) {
+            (PageFormat::Native, None) => Ok(self.heads.iter().map(|hp| hp.codes(None)).collect()),
+            (PageFormat::Native, Some(_)) => {
+                Err(Error::Invalid("a forest of 16-bit pages keeps its own codes: pass no k_store".into()))
+            }
+            (PageFormat::Int8, None) => {
+                Err(Error::Invalid("a forest of 8-bit pages reads its keys from the K store: pass k_store".into()))
+            }
+            (PageFormat::Int8, Some(store)) => {
+                ensure!(
+                    self.written.load(Ordering::Acquire),
+                    "the 8-bit page stores have not been written yet (write_pages first)"
+                );
+                let p = self.store_pages::<f32, Int8>(store.len(), "k_store", self.max_pages())?;
+                let per_head = p * int8::page_bytes(self.page_size, self.dim);
+                Ok(self
+                    .heads
+                    .iter()
+                    .zip(store.chunks_exact(per_head))
+                    .map(|(hp, s)| {
+                        debug_assert!(check_codes(s, hp.num_pages(), self.page_size, self.dim).is_ok());
+                        hp.codes(Some(s))
+                    })
+                    .collect())
+            }
+        }
+    }
+
+    /// Calibrates each head's default effort on the queries of its GQA group: `queries` is
+    /// `[q_heads, n, d]` (the runtime's last prompt queries of this layer, say), and query head
+    /// `j` belongs to KV head `j / (q_heads / H_kv)`. A query's recall@`k` is the share of its
+    /// `k` best keys (scored from their stored int8 rows, as selection scores them) in the
+    /// field of view of a selection of `rerank · k` tokens (`Config::rerank`, 2: the pool of a
+    /// `k`-query) at that effort; efforts are searched as `DciIndex::calibrate` does. `k_store`
+    /// as for `select`. Every head is measured (in parallel) before any changes: on error
     /// nothing changes.
     pub fn calibrate(
         &mut self,
@@ -266,7 +332,9 @@ impl HeadForest {
         k: usize,
         target: f64,
         efforts: RangeInclusive<f32>,
+        k_store: Option<&[u8]>,
     ) -> Result<Vec<Calibration>> {
+        let t0 = Instant::now();
         let h = self.heads.len();
         let rows = check_rows(queries, self.dim, "queries")?;
         ensure!(
@@ -274,68 +342,65 @@ impl HeadForest {
             "queries: {q_heads} query heads are not a multiple of {h} KV heads"
         );
         ensure!(rows.is_multiple_of(q_heads) && rows > 0, "queries must be [{q_heads}, n, {}] with n >= 1", self.dim);
+        ensure!(k >= 1, "k must be at least 1, got {k}");
+        ensure!(k <= self.len, "k = {k} is larger than the number of tokens per head ({})", self.len);
+        check_search(target, &efforts)?;
+        let codes = self.codes(k_store)?;
+        let pool = self.rerank.saturating_mul(k);
         // A KV head's group of query heads is contiguous in `[q_heads, n, d]`.
         let found = self
             .heads
             .par_iter()
+            .zip(&codes)
             .zip(queries.par_chunks_exact(rows / h * self.dim))
-            .map(|(hp, q)| hp.index.find_effort(KeyData::F32(q), k, target, efforts.clone()))
+            .map(|((hp, codes), q)| {
+                let truth = hp.best_keys(*codes, q, k);
+                search_effort(target, efforts.clone(), k, truth.len(), t0, |effort| {
+                    Ok(hp.view_recall(q, &truth, pool, effort))
+                })
+            })
             .collect::<Result<Vec<_>>>()?;
         for (hp, c) in self.heads.iter_mut().zip(&found) {
-            hp.index.apply_calibration(c.clone());
+            hp.effort = c.effort;
         }
         Ok(found)
     }
 
-    /// Approximate heap bytes of the trees and page layouts (the index's key copy, codes,
-    /// projections and cells; each page's token list and key sum; the position map). The page
-    /// stores are the caller's and not counted.
+    /// Approximate heap bytes of the trees and page layouts (and, for 16-bit stores, each head's
+    /// int8 K rows). The page stores are the caller's and not counted.
     pub fn nbytes(&self) -> usize {
-        self.heads
-            .iter()
-            .map(|hp| {
-                let pages: usize = hp.pages.iter().map(|p| p.capacity() * 4 + std::mem::size_of::<Vec<u32>>()).sum();
-                let cells: usize =
-                    hp.cell_pages.values().map(|p| p.capacity() * 4 + std::mem::size_of::<(u32, Vec<u32>)>()).sum();
-                hp.index.stats().bytes
-                    + pages
-                    + cells
-                    + hp.token_page.capacity() * std::mem::size_of::<(u32, u32)>()
-                    + hp.page_sum.capacity() * 4
-            })
-            .sum()
+        self.heads.iter().map(|hp| hp.nbytes()).sum()
     }
 
     pub fn max_pages(&self) -> usize {
-        self.heads.iter().map(|h| h.pages.len()).max().unwrap_or(0)
+        self.heads.iter().map(|h| h.num_pages()).max().unwrap_or(0)
     }
 
     pub fn page_tokens(&self, head: usize, page: usize) -> Result<&[u32]> {
         let h = self.head(head)?;
-        ensure!(page < h.pages.len(), "page {page} out of range: head {head} has {} pages", h.pages.len());
-        Ok(&h.pages[page])
+        ensure!(page < h.num_pages(), "page {page} out of range: head {head} has {} pages", h.num_pages());
+        Ok(h.page_tokens(page as u32))
     }
 
     /// `(page, slot)` of every token position of `head`.
-    pub fn token_map(&self, head: usize) -> Result<&[(u32, u32)]> {
-        Ok(&self.head(head)?.token_page)
+    pub fn token_map(&self, head: usize) -> Result<Vec<(u32, u32)>> {
+        let h = self.head(head)?;
+        let mut map = vec![(0, 0); h.len()];
+        for p in 0..h.num_pages() as u32 {
+            for (slot, &t) in h.page_tokens(p).iter().enumerate() {
+                map[t as usize] = (p, slot as u32);
+            }
+        }
+        Ok(map)
     }
 
-    /// Checks each head's tree invariants and that every key is tagged with its page (what
-    /// selection reads); `Err` names the first one broken. Meant for tests: it walks everything.
+    /// Checks each head's invariants (`HeadPages::validate`); `Err` names the first one
+    /// broken. Meant for tests: it walks everything.
     pub fn validate(&self) -> std::result::Result<(), String> {
         for (h, hp) in self.heads.iter().enumerate() {
-            hp.index.validate().map_err(|e| format!("head {h}: {e}"))?;
-            for (t, &(page, _)) in hp.token_page.iter().enumerate() {
-                let tag = hp.index.tag_of(t as i64);
-                if tag != page {
-                    return Err(format!("head {h}: token {t} lives in page {page} but is tagged {tag}"));
-                }
-            }
-            let mut listed: Vec<u32> = hp.cell_pages.values().flatten().copied().collect();
-            listed.sort_unstable();
-            if listed != (0..hp.pages.len() as u32).collect::<Vec<_>>() {
-                return Err(format!("head {h}: the pages of the leaf cells are not every page once"));
+            hp.validate().map_err(|e| format!("head {h}: {e}"))?;
+            if hp.len() != self.len {
+                return Err(format!("head {h} holds {} tokens, the forest {}", hp.len(), self.len));
             }
         }
         Ok(())
@@ -357,14 +422,27 @@ impl HeadForest {
         Ok(p)
     }
 
+    /// `Err` unless this forest's stores are of format `F`.
+    fn check_format<T: Elem, F: Format<T>>(&self) -> Result<()> {
+        ensure!(
+            F::FORMAT == self.format,
+            "this forest was built for {} page stores, not {}",
+            self.format.name(),
+            F::FORMAT.name()
+        );
+        Ok(())
+    }
+
     /// Writes K and V of every token (`[H_kv, n, d]`, position order) into the page stores;
-    /// slots no token fills are zeroed.
+    /// slots of the forest's pages that no token fills are zeroed, pages past them (the
+    /// stores' room for inserts) are left as they are. A forest built for 16-bit stores.
     pub fn write_pages<T: Elem>(&self, k_src: &[T], v_src: &[T], k_store: &mut [T], v_store: &mut [T]) -> Result<()> {
         self.write_pages_as::<T, Native>(k_src, v_src, k_store, v_store)
     }
 
     /// [`HeadForest::write_pages`] into 8-bit stores (`[H_kv, P, int8::page_bytes(page_size,
-    /// d)]` bytes): each row quantised to int8 codes and a scale. Values must be finite.
+    /// d)]` bytes): each row quantised to int8 codes and a scale. Values must be finite. A forest
+    /// built for 8-bit stores; from then on it reads its keys from this K store.
     pub fn write_pages_int8<T: Elem>(
         &self,
         k_src: &[T],
@@ -372,7 +450,9 @@ impl HeadForest {
         k_store: &mut [u8],
         v_store: &mut [u8],
     ) -> Result<()> {
-        self.write_pages_as::<T, Int8>(k_src, v_src, k_store, v_store)
+        self.write_pages_as::<T, Int8>(k_src, v_src, k_store, v_store)?;
+        self.written.store(true, Ordering::Release);
+        Ok(())
     }
 
     fn write_pages_as<T: Elem, F: Format<T>>(
@@ -382,6 +462,7 @@ impl HeadForest {
         k_store: &mut [F::Cell],
         v_store: &mut [F::Cell],
     ) -> Result<()> {
+        self.check_format::<T, F>()?;
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
         for (src, what) in [(k_src, "k_src"), (v_src, "v_src")] {
             ensure!(src.len() == h * self.len * d, "{what} must be [{h}, {}, {d}]", self.len);
@@ -395,8 +476,8 @@ impl HeadForest {
         let (n, pl) = (self.len, F::page_len(s, d));
         for (src, store) in [(k_src, &mut *k_store), (v_src, &mut *v_store)] {
             store.par_chunks_mut(p * pl).zip(src.par_chunks(n * d)).zip(&self.heads).for_each(|((st, sr), hp)| {
-                st.par_chunks_mut(pl).enumerate().for_each(|(page, block)| {
-                    let tokens: &[u32] = hp.pages.get(page).map_or(&[], |t| &t[..]);
+                st[..hp.num_pages() * pl].par_chunks_mut(pl).enumerate().for_each(|(page, block)| {
+                    let tokens = hp.page_tokens(page as u32);
                     for (slot, &t) in tokens.iter().enumerate() {
                         F::put(block, slot, &sr[t as usize * d..(t as usize + 1) * d], s);
                     }
@@ -408,9 +489,9 @@ impl HeadForest {
     }
 
     /// Appends `m` tokens per head (`keys`/`values` `[H_kv, m, d]`) at positions `len..len + m`:
-    /// each joins the tree (parent and level drawn as for any insert) and a page of its leaf cell
-    /// (the nearest with room; a full one splits in two). Writes their K/V, and those of tokens a
-    /// split moves, into the stores (`P >= max_pages() + m`). Returns the changed pages per head.
+    /// each joins the tree and a page of its cell (`HeadPages::insert`). Writes their K/V, and
+    /// those of tokens a split moves, into the stores (`P >= max_pages() + m`). Returns the
+    /// changed pages per head. A forest built for 16-bit stores.
     pub fn insert<T: Elem>(
         &mut self,
         keys: &[T],
@@ -423,7 +504,7 @@ impl HeadForest {
 
     /// [`HeadForest::insert`] into 8-bit stores (see [`HeadForest::write_pages_int8`]): new
     /// tokens are quantised; tokens a split moves keep their codes and scales. Values must be
-    /// finite.
+    /// finite. A forest built for 8-bit stores, after `write_pages_int8`.
     pub fn insert_int8<T: Elem>(
         &mut self,
         keys: &[T],
@@ -431,6 +512,10 @@ impl HeadForest {
         k_store: &mut [u8],
         v_store: &mut [u8],
     ) -> Result<Vec<Vec<u32>>> {
+        ensure!(
+            self.written.load(Ordering::Acquire),
+            "the 8-bit page stores have not been written yet (write_pages first)"
+        );
         self.insert_as::<T, Int8>(keys, values, k_store, v_store)
     }
 
@@ -441,6 +526,7 @@ impl HeadForest {
         k_store: &mut [F::Cell],
         v_store: &mut [F::Cell],
     ) -> Result<Vec<Vec<u32>>> {
+        self.check_format::<T, F>()?;
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
         ensure!(keys.len().is_multiple_of(h * d) && !keys.is_empty(), "keys must be [{h}, m, {d}] with m >= 1");
         ensure!(values.len() == keys.len(), "values must have the shape of keys");
@@ -462,14 +548,16 @@ impl HeadForest {
             .enumerate()
             .map(|(hi, ((hp, ks), vs))| {
                 let mut changed = Vec::new();
+                let mut scratch = Scratch::default();
+                let mut store = Store::<T, F> { k: ks, v: vs, d, s, kind: std::marker::PhantomData };
                 for i in 0..m {
                     let row = (hi * m + i) * d;
-                    let store = Store::<T, F> { k: &mut *ks, v: &mut *vs, d, s, kind: std::marker::PhantomData };
-                    hp.insert_one(
+                    hp.insert(
                         (start + i) as u32,
                         &f32_keys[row..row + d],
                         (&keys[row..row + d], &values[row..row + d]),
-                        store,
+                        &mut store,
+                        &mut scratch,
                         &mut changed,
                     )?;
                 }
@@ -484,7 +572,7 @@ impl HeadForest {
 }
 
 /// One head's K and V page stores, in format `F`.
-struct Store<'a, T: Elem, F: Format<T>> {
+pub(crate) struct Store<'a, T: Elem, F: Format<T>> {
     k: &'a mut [F::Cell],
     v: &'a mut [F::Cell],
     d: usize,
@@ -521,190 +609,5 @@ impl<T: Elem, F: Format<T>> Store<'_, T, F> {
         let at = self.page_at(page);
         F::clear_from(&mut self.k[at.clone()], 0, self.s, self.d);
         F::clear_from(&mut self.v[at], 0, self.s, self.d);
-    }
-}
-
-impl HeadPages {
-    fn build(keys: Vec<f32>, cfg: Config, page_size: usize) -> Result<HeadPages> {
-        let d = cfg.dim;
-        let n = keys.len() / d;
-        let mut index = DciIndex::new(cfg)?;
-        index.build_positions(keys);
-        let mut hp = HeadPages {
-            pages: Vec::new(),
-            token_page: vec![(u32::MAX, 0); n],
-            page_sum: Vec::new(),
-            cell_pages: HashMap::new(),
-            leaf_rebuilds: 0,
-            index,
-        };
-        let keys = hp.index.built_keys();
-        let key = |t: u32| &keys[t as usize * d..(t as usize + 1) * d];
-        let cells: Vec<(u32, &[u32])> = hp.index.leaf_cells().collect();
-        let split: Vec<(u32, Vec<Vec<u32>>, Vec<f32>)> = cells
-            .par_iter()
-            .map_init(SplitScratch::default, |scratch, &(cell, members)| {
-                let mut tokens: Vec<u32> = members.iter().map(|&m| hp.index.slot_id(m) as u32).collect();
-                let (mut groups, mut sums) = (Vec::new(), Vec::new());
-                split_pages(&mut tokens, &key, d, page_size, &mut groups, &mut sums, scratch);
-                (cell, groups, sums)
-            })
-            .collect();
-        drop(cells);
-        // The page sums are those the split made from the keys it gathered.
-        for (cell, groups, sums) in split {
-            for (tokens, sum) in groups.into_iter().zip(sums.chunks_exact(d)) {
-                hp.push_page(cell, tokens, sum);
-            }
-        }
-        let token_page = &hp.token_page;
-        hp.index.set_tags(|id| token_page[id as usize].0);
-        hp.leaf_rebuilds = hp.index.leaf_rebuilds();
-        Ok(hp)
-    }
-
-    /// After the index rebuilt its leaves (an insert can make it, as it grows): each page
-    /// belongs to the leaf cell that holds most of its tokens now. Pages keep their tokens (the
-    /// stores and what the device holds stay valid); only where new keys look changes.
-    fn follow_leaf_rebuild(&mut self) {
-        self.cell_pages.clear();
-        let mut count: HashMap<u32, usize> = HashMap::new();
-        for (p, tokens) in self.pages.iter().enumerate() {
-            count.clear();
-            for &t in tokens {
-                *count.entry(self.index.leaf_cell_of(t as i64)).or_default() += 1;
-            }
-            let cell = count.iter().max_by_key(|&(&c, &n)| (n, std::cmp::Reverse(c))).map(|(&c, _)| c);
-            if let Some(cell) = cell {
-                self.cell_pages.entry(cell).or_default().push(p as u32);
-            }
-        }
-        self.leaf_rebuilds = self.index.leaf_rebuilds();
-    }
-
-    /// Registers a new page of `cell` holding `tokens`; returns its id.
-    fn add_page<'k>(&mut self, cell: u32, tokens: Vec<u32>, key: &impl Fn(u32) -> &'k [f32]) -> u32 {
-        let mut sum = vec![0f32; self.index.dim()];
-        for &t in &tokens {
-            sum.iter_mut().zip(key(t)).for_each(|(a, b)| *a += b);
-        }
-        self.push_page(cell, tokens, &sum)
-    }
-
-    /// Registers a new page of `cell` holding `tokens` (in slot order), whose keys sum to
-    /// `sum`; returns its id.
-    fn push_page(&mut self, cell: u32, tokens: Vec<u32>, sum: &[f32]) -> u32 {
-        let id = self.pages.len() as u32;
-        for (slot, &t) in tokens.iter().enumerate() {
-            self.token_page[t as usize] = (id, slot as u32);
-        }
-        self.pages.push(tokens);
-        self.page_sum.extend_from_slice(sum);
-        self.cell_pages.entry(cell).or_default().push(id);
-        id
-    }
-
-    /// Makes page `id` hold exactly `tokens` (in slot order), updating the maps and its sum.
-    fn set_page<'k>(&mut self, id: u32, tokens: Vec<u32>, key: &impl Fn(u32) -> &'k [f32]) {
-        let d = self.index.dim();
-        let sum = &mut self.page_sum[id as usize * d..(id as usize + 1) * d];
-        sum.fill(0.0);
-        for (slot, &t) in tokens.iter().enumerate() {
-            self.token_page[t as usize] = (id, slot as u32);
-            sum.iter_mut().zip(key(t)).for_each(|(a, b)| *a += b);
-        }
-        if (id as usize) < self.pages.len() {
-            self.pages[id as usize] = tokens;
-        } else {
-            self.pages.push(tokens);
-        }
-    }
-
-    /// Tags each token of `page` with it in the index: selection reads pages off its scans.
-    fn tag_page(&mut self, page: u32) {
-        for &t in &self.pages[page as usize] {
-            self.index.set_tag(t as i64, page);
-        }
-    }
-
-    fn insert_one<T: Elem, F: Format<T>>(
-        &mut self,
-        pos: u32,
-        key: &[f32],
-        kv: (&[T], &[T]),
-        mut store: Store<'_, T, F>,
-        changed: &mut Vec<u32>,
-    ) -> Result<()> {
-        let (d, s) = (store.d, store.s);
-        self.index.add(KeyData::F32(key), Some(&[pos as i64]))?;
-        self.token_page.push((u32::MAX, 0));
-        if self.index.leaf_rebuilds() != self.leaf_rebuilds {
-            self.follow_leaf_rebuild();
-        }
-        let cell = self.index.leaf_cell_of(pos as i64);
-        // The nearest of the cell's pages by centroid, preferring pages with room.
-        let dist = |p: u32| {
-            let n = self.pages[p as usize].len() as f32;
-            let c = &self.page_sum[p as usize * d..(p as usize + 1) * d];
-            c.iter().zip(key).map(|(a, b)| (a / n - b) * (a / n - b)).sum::<f32>()
-        };
-        let pages = self.cell_pages.get(&cell).map_or(&[][..], |v| &v[..]);
-        let best = |room: bool| {
-            pages
-                .iter()
-                .copied()
-                .filter(|&p| !room || self.pages[p as usize].len() < s)
-                .min_by(|&a, &b| dist(a).total_cmp(&dist(b)))
-        };
-        match (best(true), best(false)) {
-            (Some(p), _) => {
-                let slot = self.pages[p as usize].len() as u32;
-                self.pages[p as usize].push(pos);
-                self.token_page[pos as usize] = (p, slot);
-                self.index.set_tag(pos as i64, p);
-                self.page_sum[p as usize * d..(p as usize + 1) * d].iter_mut().zip(key).for_each(|(a, b)| *a += b);
-                store.write(p, slot, kv.0, kv.1);
-                changed.push(p);
-            }
-            (None, Some(full)) => {
-                // Split the full page and the new token into two tight pages.
-                let old = store.read_page(full);
-                let mut tokens = self.pages[full as usize].clone();
-                let old_slot: HashMap<u32, usize> = tokens.iter().enumerate().map(|(i, &t)| (t, i)).collect();
-                tokens.push(pos);
-                // The new token is in the index already. Copies, because the page maps are
-                // updated below while the keys are still read.
-                let owned: HashMap<u32, Vec<f32>> =
-                    tokens.iter().map(|&t| (t, self.index.key_of_id(t as i64).to_vec())).collect();
-                let key_ref = |t: u32| &owned[&t][..];
-                let mut groups = Vec::new();
-                let half = tokens.len().div_ceil(2);
-                let mut sums = Vec::new(); // `set_page` sums the pages itself
-                split_pages(&mut tokens, &key_ref, d, half, &mut groups, &mut sums, &mut SplitScratch::default());
-                debug_assert_eq!(groups.len(), 2);
-                let second = groups.pop().unwrap();
-                let first = groups.pop().unwrap();
-                self.set_page(full, first, &key_ref);
-                let new = self.add_page(cell, second, &key_ref);
-                for page in [full, new] {
-                    self.tag_page(page);
-                    store.clear_page(page);
-                    for (slot, &t) in self.pages[page as usize].iter().enumerate() {
-                        match old_slot.get(&t) {
-                            Some(&o) => store.move_row(&old, o, page, slot),
-                            None => store.write(page, slot as u32, kv.0, kv.1),
-                        }
-                    }
-                    changed.push(page);
-                }
-            }
-            (None, None) => {
-                let p = self.add_page(cell, vec![pos], &|_| key);
-                self.index.set_tag(pos as i64, p);
-                store.write(p, 0, kv.0, kv.1);
-                changed.push(p);
-            }
-        }
-        Ok(())
     }
 }

@@ -326,12 +326,9 @@ class IceCacheConfig:
 
     def calibration_k(self, keys: int) -> int:
         """The ``k`` of the recall@``k`` that ``effort="auto"`` calibrates for, on an index of
-        ``keys`` tokens per head: ``selected_pages * page_size / 2``, at most ``keys``. A
-        selection of that many pages scores the field of view of a ``k``-query at its effort
-        whenever ``selected_pages * page_size >= 2 * k * max(effort, 1)``
-        (``HeadForest.calibrate``), which holds at effort 1, the least ``"auto"`` allows; above
-        it, where the pool sets the field of view (short prompts), a ``k``-query looks further
-        than the selection at the same effort, so the calibrated recall can be optimistic."""
+        ``keys`` tokens per head: ``selected_pages * page_size / 2``, at most ``keys``.
+        ``HeadForest.calibrate`` measures the field of view of a selection of ``2 * k`` tokens,
+        which is what a selection of ``selected_pages`` pages searches."""
         return max(1, min(self.selected_pages * self.page_size // _RERANK, keys))
 
     def index_kwargs(self) -> dict:
@@ -341,6 +338,7 @@ class IceCacheConfig:
 
         return {
             "page_size": self.page_size,
+            "page_format": self.page_format,
             "seed": self.seed,
             "threads": self.threads,
             "num_simple": self.num_simple,

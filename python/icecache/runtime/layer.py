@@ -473,7 +473,7 @@ class IceLayer(CacheLayerMixin):
                 self.indexes[b].add(k_host, v_host, self.stores[b])
                 if q_host:
                     t = time.perf_counter()
-                    self.indexes[b].calibrate(q_host[0])
+                    self.indexes[b].calibrate(q_host[0], self.stores[b])
                     self.runtime.stats.calibrate_s += time.perf_counter() - t
             else:
                 self.histories[b].append(k_host, v_host)
@@ -549,7 +549,8 @@ class IceLayer(CacheLayerMixin):
         if index.forest is None:
             index.add(k, v, store)
             return
-        store.reserve(index.forest.max_pages() + k.shape[1])  # the build left headroom
+        used = index.forest.max_pages()
+        store.reserve(used + k.shape[1], used)  # the build left headroom
         index.forest.insert(numpy_view(k), numpy_view(v), *store.views())
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -675,7 +676,7 @@ class IceLayer(CacheLayerMixin):
         )
         for b in range(self.batch):
             if self.leader is None:
-                self.stores[b].reserve(self._indexed_pages(b) + cfg.page_size)
+                self.stores[b].reserve(self._indexed_pages(b) + cfg.page_size, self._indexed_pages(b))
             else:
                 self.histories[b].reserve(self.histories[b].n + cfg.page_size)
             self._lend(b)
@@ -728,11 +729,11 @@ class IceLayer(CacheLayerMixin):
             self._page_bound = max(self._indexed_pages(b) for b in range(self.batch)) + m
         for b in range(self.batch if m else 0):
             if self.leader is None:
-                grown = self.stores[b].reserve(self._page_bound)
+                grown = self.stores[b].reserve(self._page_bound, self._indexed_pages(b))
             else:
-                grown = self.stores[b].reserve(self.leader._page_bound) | self.histories[b].reserve(
-                    self.histories[b].n + flushed[b]
-                )
+                grown = self.stores[b].reserve(self.leader._page_bound, self._indexed_pages(b)) | self.histories[
+                    b
+                ].reserve(self.histories[b].n + flushed[b])
                 self.histories[b].n += flushed[b]
             if grown:
                 self._lend(b)

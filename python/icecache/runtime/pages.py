@@ -73,8 +73,11 @@ class PageStore:
     the module docs).
 
     Grows by half again when full; the NumPy views handed to the core are taken after any
-    growth. Growing copies the whole store and stalls the step that does it, so callers
-    reserve headroom up front (:func:`headroom`).
+    growth. Growing copies the pages in use and stalls the step that does it, so callers
+    reserve headroom up front (:func:`headroom`). Pages past those in use are never written
+    before an insert needs them (``HeadForest.write_pages`` and ``insert`` leave them alone),
+    so where the allocator maps large blocks lazily (glibc for blocks over its mmap threshold)
+    the headroom is address space until it is used.
     """
 
     def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype, page_format: str = "native"):
@@ -100,17 +103,22 @@ class PageStore:
         """Allocated pages per head."""
         return self.k.shape[1]
 
-    def reserve(self, pages: int) -> bool:
-        """Make room for at least ``pages`` pages per head, keeping the contents; whether it
-        grew (which invalidates views handed out before)."""
+    def reserve(self, pages: int, used: int) -> bool:
+        """Make room for at least ``pages`` pages per head, keeping the first ``used`` (the
+        pages in use); whether it grew (which invalidates views handed out before)."""
         if pages <= self.pages:
             return False
-        _grow(self, pages, self.pages)
+        _grow(self, pages, min(used, self.pages))
         return True
 
     def views(self) -> Tuple[np.ndarray, np.ndarray]:
         """NumPy views of the K and V stores (invalidated by :meth:`reserve`)."""
         return numpy_view(self.k), numpy_view(self.v)
+
+    def k_codes(self) -> Optional[np.ndarray]:
+        """What an index of these stores reads its keys from (``HeadForest``'s ``k_store``): the
+        8-bit K store, or ``None`` for 16-bit stores (their index keeps its keys' int8 rows)."""
+        return numpy_view(self.k) if self.page_format == "int8" else None
 
 
 class History:
@@ -168,14 +176,14 @@ class PageIndex:
         ``store`` in page order."""
         k_np, v_np = numpy_view(k), numpy_view(v)
         self.forest = _core.HeadForest(k_np, **self.config.index_kwargs())
-        store.reserve(headroom(self.forest.max_pages()))
+        store.reserve(headroom(self.forest.max_pages()), 0)
         self.forest.write_pages(k_np, v_np, *store.views())
 
-    def calibrate(self, queries: torch.Tensor) -> List[_core.Calibration]:
+    def calibrate(self, queries: torch.Tensor, store: PageStore) -> List[_core.Calibration]:
         """Calibrate each KV head's effort (``effort="auto"``) on the prompt's last queries
         ``[H_q, n, D]`` (CPU, contiguous, the keys' dtype): recall@``config.calibration_k``,
-        with ``DCIIndex(effort="auto")``'s target and least effort. Kept in
-        :attr:`calibrations`."""
+        with ``DCIIndex(effort="auto")``'s target and least effort. ``store``: the one
+        :meth:`add` wrote. Kept in :attr:`calibrations`."""
         forest = self.forest
         if forest is None:
             raise RuntimeError("PageIndex.calibrate() needs an add() first: the index")
@@ -183,6 +191,7 @@ class PageIndex:
             numpy_view(queries),
             self.config.calibration_k(len(forest)),
             _core.AUTO_TARGET,
+            k_store=store.k_codes(),
             min_effort=_core.AUTO_MIN_EFFORT,
         )
         return self.calibrations
@@ -192,7 +201,7 @@ class PageIndex:
         forest = self.forest
         if forest is None:
             raise RuntimeError("PageIndex.follow() needs an add() first: the leader's layout")
-        store.reserve(headroom(forest.max_pages()))
+        store.reserve(headroom(forest.max_pages()), 0)
         k_src = numpy_view(history.k[:, : history.n])
         v_src = numpy_view(history.v[:, : history.n])
         forest.write_pages(k_src, v_src, *store.views())
