@@ -330,18 +330,44 @@ pub fn sq_dist_rows(q: &[f32], rows: &[f32], out: &mut [f32]) {
 /// int8 dot products of one quantised query with `n` consecutive int8 rows:
 /// `out[i] = Σ q[j] · rows[i][j]` in i32 (exact: |sum| ≤ dim · 127², far from overflow for dim ≤ 4096).
 pub fn dot_rows_i8(q: &[i8], rows: &[i8], out: &mut [i32]) {
+    QueryI8::new(q).dot_rows(rows, out)
+}
+
+/// A quantised query made ready for many [`dot_rows_i8`] calls (a page at a time, say): the
+/// kernel's choice, the query's registers and its bias are set up once, not per call.
+pub struct QueryI8<'a> {
+    q: &'a [i8],
     #[cfg(target_arch = "x86_64")]
-    {
-        if q.len() <= vnni::MAX_DIM
-            && std::arch::is_x86_feature_detected!("avx512vnni")
-            && std::arch::is_x86_feature_detected!("avx512bw")
+    vnni: Option<vnni::Query>,
+}
+
+impl<'a> QueryI8<'a> {
+    pub fn new(q: &'a [i8]) -> QueryI8<'a> {
+        #[cfg(target_arch = "x86_64")]
         {
-            // SAFETY: the features the function is compiled for were just detected.
-            unsafe { vnni::dot_rows_i8(q, rows, out) };
+            let vnni = (q.len() <= vnni::MAX_DIM
+                && !q.is_empty()
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+                && std::arch::is_x86_feature_detected!("avx512bw"))
+            // SAFETY: the features the function is compiled for were just detected, and the
+            // query's length is in range.
+            .then(|| unsafe { vnni::Query::new(q) });
+            QueryI8 { q, vnni }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        QueryI8 { q }
+    }
+
+    /// `dot_rows_i8(q, rows, out)`.
+    pub fn dot_rows(&self, rows: &[i8], out: &mut [i32]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vnni {
+            // SAFETY: a `vnni::Query` exists only where its features were detected.
+            unsafe { v.dot_rows(rows, out) };
             return;
         }
+        dot_rows_i8_portable(self.q, rows, out)
     }
-    dot_rows_i8_portable(q, rows, out)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -363,34 +389,68 @@ mod vnni {
     /// `is_x86_feature_detected!`), and `q.len()` must be in `1..=MAX_DIM` (the query is held in
     /// `MAX_DIM / 64` registers). Every row of `rows` is `q.len()` bytes, and loads are masked
     /// to that length, so they never read past `q` or a row.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn dot_rows_i8(q: &[i8], rows: &[i8], out: &mut [i32]) {
-        let dim = q.len();
-        let chunks = dim.div_ceil(64);
-        let tail = dim - (chunks - 1) * 64;
-        let tail_mask: __mmask64 = if tail == 64 { !0 } else { (1u64 << tail) - 1 };
-        let mask = |c: usize| if c + 1 == chunks { tail_mask } else { !0 };
-        let mut qs = [_mm512_setzero_si512(); MAX_DIM / 64];
-        for (c, qc) in qs[..chunks].iter_mut().enumerate() {
-            *qc = _mm512_maskz_loadu_epi8(mask(c), q.as_ptr().add(c * 64));
-        }
-        let bias = 128 * q.iter().map(|&x| x as i32).sum::<i32>();
-        let qs = &qs[..chunks];
-        // Row i goes to out[i], for the rows that both hold.
-        let n = out.len().min(rows.len() / dim);
-        let (rows, out) = (&rows[..n * dim], &mut out[..n]);
-        let mut blocks = rows.chunks_exact(16 * dim);
-        let mut outs = out.chunks_exact_mut(16);
-        for (block, o) in (&mut blocks).zip(&mut outs) {
-            let mut accs = [_mm512_setzero_si512(); 16];
-            for (a, r) in accs.iter_mut().zip(block.chunks_exact(dim)) {
-                *a = row_acc(qs, r, tail_mask);
+    /// A query in registers (`MAX_DIM / 64` chunks) with its length's tail mask and its bias
+    /// `128 · Σ q`.
+    pub(super) struct Query {
+        qs: [__m512i; MAX_DIM / 64],
+        dim: usize,
+        chunks: usize,
+        tail_mask: __mmask64,
+        bias: i32,
+    }
+
+    impl Query {
+        /// # Safety
+        ///
+        /// The CPU must support AVX-512F, AVX-512BW and AVX-512 VNNI (check with
+        /// `is_x86_feature_detected!`), and `q.len()` must be in `1..=MAX_DIM`.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+        pub(super) unsafe fn new(q: &[i8]) -> Query {
+            let dim = q.len();
+            let chunks = dim.div_ceil(64);
+            let tail = dim - (chunks - 1) * 64;
+            let tail_mask: __mmask64 = if tail == 64 { !0 } else { (1u64 << tail) - 1 };
+            let mut qs = [_mm512_setzero_si512(); MAX_DIM / 64];
+            for (c, qc) in qs[..chunks].iter_mut().enumerate() {
+                let m = if c + 1 == chunks { tail_mask } else { !0 };
+                *qc = _mm512_maskz_loadu_epi8(m, q.as_ptr().add(c * 64));
             }
-            let sums = _mm512_sub_epi32(sum16(&accs), _mm512_set1_epi32(bias));
-            _mm512_storeu_si512(o.as_mut_ptr() as *mut _, sums);
+            let bias = 128 * q.iter().map(|&x| x as i32).sum::<i32>();
+            Query { qs, dim, chunks, tail_mask, bias }
         }
-        for (o, r) in outs.into_remainder().iter_mut().zip(blocks.remainder().chunks_exact(dim)) {
-            *o = _mm512_reduce_add_epi32(row_acc(qs, r, tail_mask)) - bias;
+
+        /// AVX-512 VNNI: `vpdpbusd` multiplies unsigned by signed bytes, so each row is made
+        /// unsigned by flipping its sign bits (`r ^ 0x80` is `r + 128` as u8) and `128 · Σ q`
+        /// is subtracted once per query; the query's padding bytes are zero, so a row's padding
+        /// adds nothing. Rows go sixteen at a time: their sixteen accumulators are summed across
+        /// lanes together (`sum16`), a few shuffles per row instead of a full reduction each.
+        ///
+        /// # Safety
+        ///
+        /// The CPU must support AVX-512F, AVX-512BW and AVX-512 VNNI, which `new` required.
+        /// Every row of `rows` is the query's length, and loads are masked to that length, so
+        /// they never read past a row.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+        pub(super) unsafe fn dot_rows(&self, rows: &[i8], out: &mut [i32]) {
+            let dim = self.dim;
+            let qs = &self.qs[..self.chunks];
+            let (tail_mask, bias) = (self.tail_mask, self.bias);
+            // Row i goes to out[i], for the rows that both hold.
+            let n = out.len().min(rows.len() / dim);
+            let (rows, out) = (&rows[..n * dim], &mut out[..n]);
+            let mut blocks = rows.chunks_exact(16 * dim);
+            let mut outs = out.chunks_exact_mut(16);
+            for (block, o) in (&mut blocks).zip(&mut outs) {
+                let mut accs = [_mm512_setzero_si512(); 16];
+                for (a, r) in accs.iter_mut().zip(block.chunks_exact(dim)) {
+                    *a = row_acc(qs, r, tail_mask);
+                }
+                let sums = _mm512_sub_epi32(sum16(&accs), _mm512_set1_epi32(bias));
+                _mm512_storeu_si512(o.as_mut_ptr() as *mut _, sums);
+            }
+            for (o, r) in outs.into_remainder().iter_mut().zip(blocks.remainder().chunks_exact(dim)) {
+                *o = _mm512_reduce_add_epi32(row_acc(qs, r, tail_mask)) - bias;
+            }
         }
     }
 
@@ -398,7 +458,7 @@ mod vnni {
     ///
     /// # Safety
     ///
-    /// As for `dot_rows_i8`; `r` is one row, `tail_mask` masks its last chunk.
+    /// As for `Query::dot_rows`; `r` is one row, `tail_mask` masks its last chunk.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     #[inline]
     unsafe fn row_acc(qs: &[__m512i], r: &[i8], tail_mask: __mmask64) -> __m512i {

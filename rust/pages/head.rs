@@ -27,7 +27,7 @@ use super::{Elem, Format, Store};
 use crate::error::{ensure, Result};
 use crate::index::{field_of_view, Config, DciIndex, Scratch, C_HEADROOM};
 use crate::input::KeyData;
-use crate::simd;
+use crate::simd::{self, QueryI8};
 
 /// Cells a new key chooses among (the tree's best for `T_K(k)`); it joins the nearest.
 const JOIN_CHOICES: usize = 4;
@@ -275,6 +275,11 @@ impl HeadPages {
         &self.slots[at..at + self.page_len[page as usize] as usize]
     }
 
+    /// Tokens in `page`.
+    pub fn page_len(&self, page: u32) -> usize {
+        self.page_len[page as usize] as usize
+    }
+
     /// The page of token position `t`, if there is one.
     pub fn page_of(&self, t: usize) -> Option<u32> {
         self.token_page.get(t).copied()
@@ -305,21 +310,21 @@ impl HeadPages {
         self.tree.search_into(tq, fov, 1.0, s, out);
     }
 
-    /// int8 estimates of `q · k` for the keys of `page` (`qcode` and `qscale` the quantised
-    /// query): calls `emit(slot, estimate)` for each. `dots` is scratch.
+    /// int8 estimates of `q · k` for the keys of `page` (`q` and `qscale` the quantised query):
+    /// calls `emit(slot, estimate)` for each. `dots` is scratch.
     pub fn scan_page(
         &self,
         codes: PageCodes<'_>,
         page: u32,
-        (qcode, qscale): (&[i8], f32),
+        (q, qscale): (&QueryI8<'_>, f32),
         dots: &mut Vec<i32>,
         mut emit: impl FnMut(usize, f32),
     ) {
         let len = self.page_len[page as usize] as usize;
         dots.resize(len, 0);
-        simd::dot_rows_i8(qcode, codes.rows(page, len), dots);
-        for (slot, &dot) in dots.iter().enumerate() {
-            emit(slot, dot as f32 * qscale * codes.scale(page, slot));
+        q.dot_rows(codes.rows(page, len), dots);
+        for (slot, (&dot, scale)) in dots.iter().zip(codes.scales(page, len)).enumerate() {
+            emit(slot, dot as f32 * qscale * scale);
         }
     }
 
@@ -331,10 +336,11 @@ impl HeadPages {
             .map(|q| {
                 let mut qcode = vec![0i8; self.dim];
                 let qscale = simd::quantize_i8(q, &mut qcode);
+                let qi8 = QueryI8::new(&qcode);
                 let (mut dots, mut scored) = (Vec::new(), Vec::with_capacity(self.len()));
                 for page in 0..self.num_pages() as u32 {
                     let cell = self.page_cell[page as usize];
-                    self.scan_page(codes, page, (&qcode, qscale), &mut dots, |_, v| scored.push((v, cell)));
+                    self.scan_page(codes, page, (&qi8, qscale), &mut dots, |_, v| scored.push((v, cell)));
                 }
                 scored.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0));
                 scored[..k].iter().map(|&(_, cell)| cell).collect()

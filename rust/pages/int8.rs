@@ -78,9 +78,27 @@ impl<'a> PageCodes<'a> {
         bytemuck::cast_slice(&self.page(page)[..len * self.dim])
     }
 
-    /// The scale of row `slot` of `page`.
-    pub fn scale(&self, page: u32, slot: usize) -> f32 {
-        row_parts(self.page(page), slot, self.page_size, self.dim).1
+    /// Asks the CPU to start loading `page`'s first `len` rows into cache (a hint: no effect
+    /// where the target has no prefetch instruction).
+    pub fn prefetch(&self, page: u32, len: usize) {
+        #[cfg(target_arch = "x86_64")]
+        for line in self.page(page)[..len * self.dim].chunks(64) {
+            // SAFETY: a prefetch never faults and changes no state but the cache; the address is
+            // inside a live slice.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8)
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (page, len);
+    }
+
+    /// The scales of the first `len` rows of `page`.
+    pub fn scales(&self, page: u32, len: usize) -> impl Iterator<Item = f32> + 'a {
+        let at = self.page_size * self.dim;
+        self.page(page)[at..at + len * SCALE_BYTES]
+            .chunks_exact(SCALE_BYTES)
+            .map(|b| f32::from_ne_bytes(b.try_into().expect("4 bytes")))
     }
 
     /// Row `slot` of `page`, dequantised into `out` (`dim` floats).
