@@ -53,10 +53,10 @@ pub use search::Scratch;
 pub const MAX_DIM: usize = 4096;
 /// Most levels a tree may have (the promotion list is at most this long minus one).
 pub const MAX_LEVELS: usize = 16;
-/// Room (in values) that a bulk build of `n` keys of `dim` keeps in its key copy for inserts
-/// after it, an eighth more rows, so that the first inserts do not pay for a regrowth. Callers
-/// that make the copy reserve it up front, so the build does not reallocate.
-pub(crate) const fn build_room(n: usize, dim: usize) -> usize {
+/// Room (in values) that `add`'s bulk build of `n` keys of `dim` keeps in its key copy for
+/// inserts after it, an eighth more rows, so that the first inserts do not pay for a regrowth.
+/// The copy is made with it, so the build does not reallocate.
+const fn build_room(n: usize, dim: usize) -> usize {
     (n / 8) * dim
 }
 
@@ -292,7 +292,8 @@ impl DciIndex {
     /// Into an empty index this is a parallel bulk build (rayon); otherwise each key is inserted
     /// incrementally. All input is validated before anything changes.
     pub fn add(&mut self, keys: KeyData<'_>, ids: Option<&[i64]>) -> Result<Vec<i64>> {
-        let keys = keys.to_f32_vec();
+        let room = if self.len == 0 { build_room(keys.len() / self.cfg.dim, self.cfg.dim) } else { 0 };
+        let keys = keys.to_f32_vec_with_room(room);
         let n = check_rows(&keys, self.cfg.dim, "keys")?;
         let ids = self.check_new_ids(n, ids)?;
         if n == 0 {
@@ -428,7 +429,8 @@ impl DciIndex {
 
     /// Bulk build of an empty inner-product index under ids `0..n`, for keys the caller has
     /// validated already (`check_rows`): the checks of `add` would only repeat its work. The
-    /// index keeps `keys` as its copy; point `i` is slot `i` (`built_keys`).
+    /// index keeps `keys` as its copy (with no room for inserts: a `HeadForest` reads the
+    /// build and drops it); point `i` is slot `i` (`built_keys`).
     pub(crate) fn build_positions(&mut self, keys: Vec<f32>) {
         debug_assert!(self.len == 0 && self.cfg.metric == Metric::InnerProduct && !keys.is_empty());
         let ids: Vec<i64> = (0..(keys.len() / self.cfg.dim) as i64).collect();

@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use super::cells::{Cell, Tier, NONE};
 use super::descent::Descent;
 use super::rank::{insert_best, pack, unpack};
-use super::{build_room, DciIndex, Metric, C_HEADROOM, FREE};
+use super::{DciIndex, Metric, C_HEADROOM, FREE};
 use crate::simd;
 
 /// Members a build descent keeps in view at each tier above the target (its beam).
@@ -494,14 +494,13 @@ impl DciIndex {
 
     // ---------------------------------------------------------------- build
 
-    /// Bulk build over `keys` (`[n, dim]`, which the index keeps) into an empty index;
+    /// Bulk build over `keys` (`[n, dim]`, which the index keeps, with whatever room they
+    /// have for inserts) into an empty index;
     /// parallel where it pays.
     pub(super) fn build(&mut self, keys: Vec<f32>, ids: &[i64]) {
         let d = self.cfg.dim;
         let nd = self.cfg.num_dirs();
         let n = ids.len();
-        let mut keys = keys;
-        keys.reserve_exact(build_room(n, d));
         self.keys = keys;
         let keys = &self.keys[..];
         // The directions without their extra component, contiguous, for blocked dot products.

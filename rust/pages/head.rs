@@ -165,7 +165,7 @@ fn fill_tails<'k>(
         for &(cand, _) in &found {
             let cand = cand as usize;
             let room = split[cand].last().map_or(0, |t| page_size - t.len());
-            if cand != c && room >= r && room < page_size {
+            if cand != c && room >= r {
                 let dist = simd::sq_dist(&tk, near.key_of_id(cand as i64));
                 if best.is_none_or(|(b, _)| dist < b) {
                     best = Some((dist, cand));
@@ -568,12 +568,12 @@ impl HeadPages {
             c.row(old, slot, r);
         }
         rows[tokens.len() * d..].copy_from_slice(key);
-        let old_slot = |t: u32, tokens: &[u32]| tokens.iter().position(|&x| x == t);
+        // A token's row in `rows` and in the old page: its slot there, or (the new token) last.
         let before = tokens.clone();
+        let old_slot = |t: u32| before.iter().position(|&x| x == t);
         tokens.push(pos);
-        let index_of =
-            |t: u32| if t == pos { before.len() } else { old_slot(t, &before).expect("a token of the page") };
-        let key_of = |t: u32| &rows[index_of(t) * d..(index_of(t) + 1) * d];
+        let row_of = |t: u32| old_slot(t).unwrap_or(before.len());
+        let key_of = |t: u32| &rows[row_of(t) * d..(row_of(t) + 1) * d];
         let (mut groups, mut sums) = (Vec::new(), Vec::new());
         let half = tokens.len().div_ceil(2);
         split_pages(&mut tokens, &key_of, d, half, &mut groups, &mut sums, &mut SplitScratch::default());
@@ -591,7 +591,7 @@ impl HeadPages {
                 own[page as usize * pb..(page as usize + 1) * pb].fill(0);
             }
             for (slot, &t) in group.iter().enumerate() {
-                match old_slot(t, &before) {
+                match old_slot(t) {
                     Some(from) => {
                         store.move_row(&old_rows, from, page, slot);
                         if let (Some(own), Some(src)) = (own.as_mut(), &own_old) {
@@ -633,7 +633,8 @@ impl HeadPages {
         split_pages(&mut pages, &mean_of, d, half, &mut groups, &mut sums, &mut SplitScratch::default());
         let new = self.new_cell();
         let len = |this: &Self, g: &[u32]| g.iter().map(|&p| this.page_len[p as usize] as usize).sum::<usize>();
-        let (first, second) = (groups[0].clone(), groups[1].clone());
+        let second = groups.pop().expect("two halves");
+        let first = groups.pop().expect("two halves");
         self.cells[cell as usize].len = len(self, &first);
         self.cells[cell as usize].pages = first;
         self.cells[new as usize].len = len(self, &second);
