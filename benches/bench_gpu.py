@@ -702,7 +702,7 @@ def main(argv=None) -> int:
             f"{ready} | {r['tpot_ms']:.1f} | {ratio:.2f} | {r['batch'] / r['tpot_ms'] * 1e3:.1f} | "
             f"{parts} | {r['device_kv_bytes'] / 2**20:.0f} | {r['host_bytes'] / 2**20:.0f} |"
         )
-    if len(args.batch) > 1 and cuda:
+    if cuda:
         lines += ["", *capacity(results, model)]
     table = "\n".join(lines)
     print(table, flush=True)

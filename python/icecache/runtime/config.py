@@ -230,7 +230,10 @@ class IceCacheConfig:
             rounding), about 0.53x the host bytes and PCIe bytes per page of bf16 at head dim 64
             (``(D + 4) / (2 D)``); the device dequantises loaded pages into its pool (in the
             model dtype), so attention reads the dequantised tokens. On SmolLM2 prose and code no
-            measurable loss of greedy agreement (benches/RESULTS.md).
+            measurable loss of greedy agreement (benches/RESULTS.md). The index reads its keys
+            from these K rows (each key is stored once), so a sequence's host memory is about
+            0.6x its bf16 K and V; with ``"native"`` the index keeps the same int8 rows beside
+            the 16-bit pages.
     """
 
     budget: int = 256

@@ -11,7 +11,8 @@ the leader's index changes.
 
 With ``IceCacheConfig.page_format="int8"`` the stores hold 8-bit pages: uint8 ``[H_kv, P,
 page_size * (D + 4)]``, each page its rows' int8 codes, then one float32 scale per row
-(:func:`dequantize_pages` reads them, on the host and on the device alike).
+(:func:`dequantize_pages` reads them, on the host and on the device alike). The index reads
+its keys from the K store's rows then (:meth:`PageStore.k_codes`): each key is stored once.
 """
 
 from __future__ import annotations
