@@ -92,8 +92,8 @@ impl HeadForest {
         // Sized by the caller's max_pages, so allocated fallibly, before any work.
         let n = h.saturating_mul(p.max_pages);
         let mut pages = try_filled(n, -1i32, "the page table [H_kv, max_pages]")?;
-        // One task per KV head: its group's queries one after the other, so that the pages
-        // they share are read from cache (and, with `group_view`, scanned once).
+        // One task per KV head: its group's query heads together, so that a cell several of
+        // them look at is read once.
         let sums: Vec<Vec<f32>> = queries
             .par_chunks_exact(group * d)
             .zip(&self.heads)
