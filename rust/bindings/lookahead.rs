@@ -66,15 +66,6 @@ fn elem_of(a: &Bound<'_, PyUntypedArray>) -> Option<Elem> {
     }
 }
 
-/// `page_format`: ``"native"`` (the tokens' dtype) or ``"int8"``.
-fn page_format(name: &str) -> PyResult<PageFormat> {
-    match name {
-        "native" => Ok(PageFormat::Native),
-        "int8" => Ok(PageFormat::Int8),
-        _ => Err(PyValueError::new_err(format!("page_format must be \"native\" or \"int8\", got {name:?}"))),
-    }
-}
-
 fn shape_err(what: &str, want: &str, got: &[usize]) -> PyErr {
     PyValueError::new_err(format!("{what} must be {want}, got shape {got:?}"))
 }
@@ -242,7 +233,7 @@ impl PyLookAheadLayer {
         group_view: bool,
     ) -> PyResult<Self> {
         entry(|| {
-            let format = self::page_format(page_format)?;
+            let format = PageFormat::parse(page_format).map_err(to_py)?;
             let Lent { buf: qb, shape: qs, elem: qe, keep: qk } = lend(queries, "queries")?;
             if qe != Some(Elem::F32) || qs.len() != 3 || qs[0] == 0 || kv_heads == 0 || qs[1] % kv_heads != 0 {
                 return Err(shape_err("queries", "float32 [B, H_q, d] with H_q a multiple of kv_heads", &qs));
@@ -577,7 +568,7 @@ impl PyLookAheadLayer {
         page_format: &str,
     ) -> PyResult<PyStagingLayout> {
         entry(|| {
-            let format = self::page_format(page_format)?;
+            let format = PageFormat::parse(page_format).map_err(to_py)?;
             let elem = match itemsize {
                 4 => Elem::F32,
                 2 => Elem::F16,

@@ -105,11 +105,7 @@ impl DciIndex {
         truth.iter_mut().for_each(|r| r.sort_unstable());
         search_effort(target, efforts, k, nq, t0, |effort| {
             let (found, _) = self.query_batch(&queries, nq, k, effort, false)?;
-            Ok(found
-                .chunks_exact(k)
-                .zip(&truth)
-                .map(|(f, t)| f.iter().filter(|id| t.binary_search(id).is_ok()).count() as f64 / k as f64)
-                .collect())
+            Ok(per_query_recall(&found, &truth, k))
         })
     }
 
@@ -263,6 +259,16 @@ pub(crate) fn search_effort(
     })
 }
 
+/// Recall@k of each query: the share of its `k` ids in `found` (`nq × k`) that `truth` (its
+/// sorted ids) holds.
+fn per_query_recall(found: &[i64], truth: &[Vec<i64>], k: usize) -> Vec<f64> {
+    found
+        .chunks_exact(k)
+        .zip(truth)
+        .map(|(f, t)| f.iter().filter(|id| t.binary_search(id).is_ok()).count() as f64 / k as f64)
+        .collect()
+}
+
 /// Mean of per-query recalls and the standard error of that mean (0 for one query).
 fn mean_stderr(per: &[f64]) -> (f64, f64) {
     let n = per.len() as f64;
@@ -317,12 +323,7 @@ mod tests {
             })
             .collect();
         let (found, _) = idx.query(KeyData::F32(queries), k, Some(effort), false).unwrap();
-        let per: Vec<f64> = found
-            .chunks_exact(k)
-            .zip(&truth)
-            .map(|(f, t)| f.iter().filter(|id| t.binary_search(id).is_ok()).count() as f64 / k as f64)
-            .collect();
-        mean_stderr(&per).0
+        mean_stderr(&per_query_recall(&found, &truth, k)).0
     }
 
     #[test]

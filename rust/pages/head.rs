@@ -24,7 +24,7 @@ use rayon::prelude::*;
 use super::int8::{self, PageCodes};
 use super::split::{split_pages, SplitScratch};
 use super::{Elem, Format, Store};
-use crate::error::{ensure, Result};
+use crate::error::Result;
 use crate::index::{field_of_view, Config, DciIndex, Scratch, C_HEADROOM};
 use crate::input::KeyData;
 use crate::simd::{self, QueryI8};
@@ -102,13 +102,15 @@ impl PointSum {
     }
 }
 
-/// The int8 K rows of a head being changed: its own, or its 8-bit K store's.
+/// A head's int8 K rows: its own (16-bit stores), else the 8-bit K store's.
+fn rows_in<'a>(own: Option<&'a [u8]>, store: Option<&'a [u8]>, page_size: usize, dim: usize) -> PageCodes<'a> {
+    let bytes = own.or(store).expect("a head without its own rows has an 8-bit K store");
+    PageCodes { bytes, page_size, dim }
+}
+
+/// `rows_in` for a head being changed (its own rows taken out of it meanwhile).
 fn store_codes<'a, T: Elem, F: Format<T>>(own: &'a Option<Vec<u8>>, store: &'a Store<'_, T, F>) -> PageCodes<'a> {
-    PageCodes {
-        bytes: own.as_deref().or_else(|| F::codes(store.k)).expect("a head without its own codes has 8-bit stores"),
-        page_size: store.s,
-        dim: store.d,
-    }
+    rows_in(own.as_deref(), F::codes(store.k), store.s, store.d)
 }
 
 /// `sqrt(1 - |k|² / c²)`, the coordinate that lifts a key onto the unit sphere.
@@ -287,8 +289,7 @@ impl HeadPages {
 
     /// The codes of this head: its own, or `store`'s (an 8-bit K store of this head).
     pub fn codes<'a>(&'a self, store: Option<&'a [u8]>) -> PageCodes<'a> {
-        let bytes = self.own.as_deref().or(store).expect("a head without its own codes reads the K store's");
-        PageCodes { bytes, page_size: self.page_size, dim: self.dim }
+        rows_in(self.own.as_deref(), store, self.page_size, self.dim)
     }
 
     /// The cells in `q`'s field of view (enough cells for `pool` keys, `effort` scaling it),
@@ -718,17 +719,6 @@ fn ensure_len(got: usize, want: usize) -> std::result::Result<(), String> {
     } else {
         Err(format!("own codes hold {got} bytes, the pages {want}"))
     }
-}
-
-/// `Err` unless `store` (one head's 8-bit K rows) holds at least `pages` pages.
-pub(crate) fn check_codes(store: &[u8], pages: usize, page_size: usize, dim: usize) -> Result<()> {
-    ensure!(
-        store.len() >= pages * int8::page_bytes(page_size, dim),
-        "k_store holds {} bytes per head, {pages} pages need {}",
-        store.len(),
-        pages * int8::page_bytes(page_size, dim)
-    );
-    Ok(())
 }
 
 #[cfg(test)]

@@ -21,7 +21,6 @@ use rayon::prelude::*;
 use crate::error::{ensure, Error, Result};
 use crate::index::{check_search, search_effort, Calibration, Config, Metric, Scratch};
 use crate::input::{check_rows, KeyData};
-use head::check_codes;
 pub(crate) use head::HeadPages;
 
 /// Allowed page sizes.
@@ -304,15 +303,7 @@ impl HeadForest {
                 );
                 let p = self.store_pages::<f32, Int8>(store.len(), "k_store", self.max_pages())?;
                 let per_head = p * int8::page_bytes(self.page_size, self.dim);
-                Ok(self
-                    .heads
-                    .iter()
-                    .zip(store.chunks_exact(per_head))
-                    .map(|(hp, s)| {
-                        debug_assert!(check_codes(s, hp.num_pages(), self.page_size, self.dim).is_ok());
-                        hp.codes(Some(s))
-                    })
-                    .collect())
+                Ok(self.heads.iter().zip(store.chunks_exact(per_head)).map(|(hp, s)| hp.codes(Some(s))).collect())
             }
         }
     }
