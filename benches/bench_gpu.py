@@ -21,7 +21,9 @@ own shard. Per context length, one prompt of random tokens:
   rotated per round), every step timed to a device sync; median over all steps;
 - IceCache's host time: during the TPOT rounds, the host time IceCache's own code takes per
   IceCache layer step (window writes, waiting for the layer's host job, the copy and scatter,
-  ranking and attention launches), and how much of it was waiting;
+  ranking and attention launches), and how much of it was waiting; and the share of layer
+  steps whose staging copy started early, on the copy stream (``IceLayer.upload_ahead``;
+  ``-inline`` variants turn that off, for comparison);
 - IceCache breakdown: one more pass per IceCache variant with a device sync at every stage
   boundary (``Runtime.sync_timing``), per token: wait (for the layer's host job: with
   look-ahead the worker's job started a step earlier, with fresh selection the whole job), copy
@@ -288,7 +290,9 @@ def ice_options(name: str) -> dict:
     """IceCacheConfig options of a variant named ``ice`` followed by any of ``-int8`` (8-bit
     pages), ``-gv`` / ``-ov`` (group view on / one view per query head), ``-wait`` (no bridge:
     the first step waits for the index; the prompt's device copy is freed once copied), ``-rN``
-    (refresh N), ``-eX`` (effort X), ``-tN`` (N index threads); empty for any other name."""
+    (refresh N), ``-eX`` (effort X), ``-tN`` (N index threads), ``-inline`` (every staging copy at
+    its layer's own step, none started early: ``IceLayer.upload_ahead`` off, for comparison; not
+    a config option); empty for any other name."""
     parts = name.split("-")
     if parts[0] != "ice" or len(parts) < 2:
         return {}
@@ -300,6 +304,8 @@ def ice_options(name: str) -> dict:
             options["group_view"] = part == "gv"
         elif part == "wait":
             options["exact_until_indexed"] = False
+        elif part == "inline":
+            options["inline"] = True
         elif part[:1] in ("r", "t") and part[1:].isdigit():
             options["refresh" if part[0] == "r" else "threads"] = int(part[1:])
         elif part[:1] == "e" and part[1:].replace(".", "", 1).isdigit():
@@ -345,7 +351,8 @@ def main(argv=None) -> int:
         "ice3: IceCache reuse=3; fresh: IceCache with fresh selection; ice-fixed, ice-adaptive: IceCache "
         "with that budget_mode; ice-auto: IceCache with effort='auto' (calibrated during prefill); ice "
         "followed by any of -int8 (page_format), -gv/-ov (group_view on/off), -wait "
-        "(exact_until_indexed=False), -rN (refresh N), -eX (effort X), -tN (N index threads), e.g. ice-r2, "
+        "(exact_until_indexed=False), -rN (refresh N), -eX (effort X), -tN (N index threads), -inline (no "
+        "staging copy started early), e.g. ice-r2, "
         "ice-int8-gv-r2",
     )
     ap.add_argument(
@@ -364,6 +371,7 @@ def main(argv=None) -> int:
     import transformers
     from icecache._util import register_attention
     from icecache.runtime import IceCache, IceCacheConfig, RuntimeStats, enable, kv_heads_per_rank
+    from icecache.runtime.layer import IceLayer
     from transformers import DynamicCache, LlamaForCausalLM
 
     make_config, default_layers = SHAPES[args.shape]
@@ -417,7 +425,7 @@ def main(argv=None) -> int:
         cache.bench_flashinfer = True
         return cache
 
-    def make_ice(reuse, lookahead=True, refresh=1, threads=None, **more):
+    def make_ice(reuse, lookahead=True, refresh=1, threads=None, inline=False, **more):
         config = IceCacheConfig(
             budget=args.budget,
             reuse=reuse,
@@ -427,6 +435,10 @@ def main(argv=None) -> int:
             **more,
         )
         cache = IceCache(config, model)
+        if inline:  # no layer starts the next one's staging copy early
+            for layer in cache.layers:
+                if isinstance(layer, IceLayer):
+                    layer.next_layer = None
         model.set_attn_implementation("bench")  # IceCache's attention, with the FlashInfer baseline
         return cache
 
@@ -563,13 +575,16 @@ def main(argv=None) -> int:
                     )
                 )
             # Breakdown pass (device-synced stage boundaries).
-            for v in variants.values():
+            for name, v in variants.items():
                 cache = v["cache"]
                 if not isinstance(cache, IceCache):
                     continue
                 s = cache.stats
                 v["host_ms_per_layer_step"] = (s.update_s + s.wait_s + s.copy_s + s.attend_s) / s.layer_steps * 1e3
                 v["wait_ms_per_layer_step"] = s.wait_s / s.layer_steps * 1e3
+                # Layer steps whose staging copy ran early on the copy stream (in the TPOT rounds).
+                v["copied_ahead"] = s.copies_ahead / s.layer_steps
+                log(f"{n}: {name}: staging copied ahead in {v['copied_ahead']:.1%} of layer steps")
                 cache.runtime.stats = RuntimeStats()
                 cache.runtime.sync_timing = True
                 t = time.perf_counter()

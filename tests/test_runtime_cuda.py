@@ -117,6 +117,34 @@ def test_cuda_graphs_decode_like_the_eager_path(budget_mode, page_format):
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("page_format, reuse", [("native", 1), ("int8", 2)])
+def test_cuda_copies_ahead_change_nothing(page_format, reuse, pool_checks):  # noqa: F811
+    """Staging copies started early on the copy stream (``IceLayer.upload_ahead``) give the
+    same decode as copies made at each layer's own step (the layers unlinked)."""
+    model = tiny_model("llama").cuda()
+    ids, mask = _padded_batch()
+    runs, ahead = [], []
+    for linked in (True, False):
+        cfg = IceCacheConfig(
+            budget=96,
+            full_layers=1,
+            reuse=reuse,
+            superset_pages=12,
+            pool_pages=16,
+            page_format=page_format,
+            exact_until_indexed=False,  # pages move from the first step
+        )
+        cache = IceCache(cfg, model)
+        if not linked:
+            for layer in ice_layers(cache):
+                layer.next_layer = None
+        runs.append(run_steps(model, ids, cache, 100, attention_mask=mask))
+        ahead.append(cache.stats.copies_ahead)
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
+    assert ahead[0] > 0 and ahead[1] == 0
+    assert sum(pool_checks) > 0
+
+
 @pytest.mark.parametrize("reuse", [1, 2])
 def test_cuda_int8_pages_dequantise_on_the_device(reuse, pool_checks):  # noqa: F811
     """8-bit pages through pinned staging: the device dequantises each loaded page into its bf16

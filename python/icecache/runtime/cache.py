@@ -116,6 +116,9 @@ class IceCache(Cache):
                 layer = IceLayer(self.runtime, idx, leader=group[0] if group else None)
                 group.append(layer)
                 layers.append(layer)
+        ice = [layer for layer in layers if isinstance(layer, IceLayer)]
+        for layer, after in zip(ice, ice[1:] + ice[:1]):
+            layer.next_layer = after
         super().__init__(layers=layers)
         enable(model)
 

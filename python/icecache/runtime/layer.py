@@ -48,6 +48,9 @@ class RuntimeStats:
     ``worker_insert_s``, ``worker_select_s`` and ``worker_gather_s`` add up what the host jobs
     spent inserting flushed tokens, selecting and planning, and gathering pages (on the
     worker's threads, mostly off the critical path).
+    ``copies_ahead`` counts the layer steps whose copy was started early, on a side stream,
+    while the device computed the layers before (look-ahead on a GPU, once the layer's job had
+    finished: :meth:`IceLayer.upload_ahead`; their ``copy_s`` is then mostly the scatter).
     ``bridged_steps`` counts the layer steps that attended the prompt's whole cache while the
     indexes were being built (``IceCacheConfig.exact_until_indexed``; ``index_wait_s`` is
     then the wait of the step that left the bridge, normally none) and ``catch_up_s`` the time
@@ -73,6 +76,7 @@ class RuntimeStats:
     worker_gather_s: float = 0.0
     pages_selected: int = 0
     pages_loaded: int = 0
+    copies_ahead: int = 0
     recalls: List[float] = field(default_factory=list)
     reranked: List[float] = field(default_factory=list)
 
@@ -100,6 +104,7 @@ class Runtime:
     query_heads: int = 0
     _worker: Optional[_core.LookAhead] = None
     _graph_pool: Optional[Any] = None
+    _copy_stream: Optional[Any] = None
     #: The layers that hold a bridge (``IceCacheConfig.exact_until_indexed``), in layer order
     #: (a reuse group's leader first).
     bridged: List["IceLayer"] = field(default_factory=list)
@@ -124,6 +129,12 @@ class Runtime:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         return self._graph_pool
+
+    def copy_stream(self) -> Any:
+        """The side stream that early staging copies run on (:meth:`IceLayer.upload_ahead`)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
 
     def submit(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the index worker: one thread, jobs in submission order (so a
@@ -274,6 +285,9 @@ class IceLayer(CacheLayerMixin):
         self.runtime = runtime
         self.layer_idx = layer_idx
         self.leader = leader
+        #: The IceCache layer after this one in the model (the last one's: the first), whose
+        #: staging copy this one starts early (:meth:`upload_ahead`); set by :class:`IceCache`.
+        self.next_layer: Optional[IceLayer] = None
         self._forget()
 
     def _forget(self) -> None:
@@ -385,6 +399,8 @@ class IceLayer(CacheLayerMixin):
             except RuntimeError:
                 pass  # cancelled, or failed: forgotten either way
             self.jobs.clear()
+        if getattr(self, "_bufs", None) is not None:
+            self._bufs.forget_ahead()
         self._forget()
 
     def _unsupported(self, *args, **kwargs):
@@ -782,7 +798,7 @@ class IceLayer(CacheLayerMixin):
         fresh = not self.runtime.config.lookahead
         table = None
         if o.loads or o.clears or fresh:
-            dev = self._buffers().upload(o.end)
+            dev = self._buffers().upload(o.end, job=self.steps)
             if fresh:
                 at = self._step_layout.table_at
                 table = dev[at : at + 4 * self.batch * self.heads * o.width].view(torch.int32)
@@ -826,6 +842,8 @@ class IceLayer(CacheLayerMixin):
             stats.recall_s += time.perf_counter() - t3
         if cfg.lookahead:
             self._start_job(q, now=False)
+        if self.next_layer is not None:
+            self.next_layer.upload_ahead()
 
         stats.layer_steps += 1
         stats.wait_s += t1 - t0
@@ -837,6 +855,27 @@ class IceLayer(CacheLayerMixin):
         stats.pages_selected += outcome.selected
         stats.pages_loaded += outcome.loads
         return out[:, None].to(query.device)
+
+    def upload_ahead(self) -> None:
+        """With look-ahead on a GPU, start the copy of this layer's next staging now, on the
+        runtime's copy stream, if the job that wrote it has finished: called by the IceCache
+        layer before this one, so the copy overlaps the device's work on the layers in between
+        instead of stalling this layer's step (:meth:`StepBuffers.upload` then only waits for
+        it). Safe without further sync: the job started only after the device wrote this
+        layer's previous step number, which its step does after reading the previous staging,
+        and the next job writes the staging only after the next step number, which the device
+        writes after waiting for this copy."""
+        if self.device.type != "cuda" or not self.runtime.config.lookahead or self.jobs is None or self.steps == 0:
+            return
+        if not self.jobs.done():
+            return
+        try:
+            o = self.jobs.wait()  # finished: returns at once
+        except Exception:
+            return  # the job's error is raised by this layer's own step
+        if o.loads or o.clears:
+            self._buffers().upload_ahead(o.end, self.steps, self.runtime.copy_stream())
+            self.runtime.stats.copies_ahead += 1
 
     def _track_recall(self, q: torch.Tensor, res, outcome: _core.LookAheadOutcome, pages: int, scale: float) -> None:
         """Measurements for evaluation (``track_recall``), after this step's attention.

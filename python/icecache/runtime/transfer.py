@@ -59,18 +59,43 @@ class StepBuffers:
         self.flush_v = torch.zeros_like(self.flush_k, pin_memory=pin)
         self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, pin_memory=pin)
         self._device_staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device) if pin else None
+        # The job whose staging :meth:`upload_ahead` is copying, and the event behind that copy
+        # (one event, recorded again by each early copy: the upload waits before the next).
+        self._ahead: Optional[int] = None
+        self._ahead_done = torch.cuda.Event() if pin else None
 
     @property
     def device_staging(self) -> torch.Tensor:
         """The device's copy of the staging buffer (on the CPU: the staging buffer itself)."""
         return self.staging if self._device_staging is None else self._device_staging
 
-    def upload(self, nbytes: int) -> torch.Tensor:
+    def upload(self, nbytes: int, job: int = -1) -> torch.Tensor:
         """Copy the first ``nbytes`` of staging to the device (one asynchronous copy on a GPU);
-        returns the device copy."""
+        returns the device copy. If :meth:`upload_ahead` already started that copy for ``job``,
+        the current stream only waits for it."""
         if self._device_staging is not None:
-            self._device_staging[:nbytes].copy_(self.staging[:nbytes], non_blocking=True)
+            ahead, self._ahead = self._ahead, None
+            if ahead == job and self._ahead_done is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._ahead_done)
+            else:
+                self._device_staging[:nbytes].copy_(self.staging[:nbytes], non_blocking=True)
         return self.device_staging
+
+    def upload_ahead(self, nbytes: int, job: int, stream: "torch.cuda.Stream") -> None:
+        """Start :meth:`upload` of ``job``'s staging early, on ``stream`` (a GPU only), so that
+        the copy runs while the device computes the layers before this one; the caller must
+        know that the device has finished reading the previous upload (see
+        ``IceLayer.upload_ahead``)."""
+        if self._device_staging is None or self._ahead_done is None:
+            return
+        with torch.cuda.stream(stream):
+            self._device_staging[:nbytes].copy_(self.staging[:nbytes], non_blocking=True)
+        self._ahead_done.record(stream)
+        self._ahead = job
+
+    def forget_ahead(self) -> None:
+        """Drop an early copy that no :meth:`upload` will wait for (the layer was reset)."""
+        self._ahead = None
 
     def nbytes(self) -> int:
         """Host bytes held."""
