@@ -864,6 +864,18 @@ def test_batch_with_left_padding_matches_each_prompt_alone(page_format):
     torch.testing.assert_close(batch[1], alone_b[0], rtol=1e-4, atol=1e-4)
 
 
+def test_reset_then_another_batch_size_decodes_as_a_fresh_cache():
+    """A reset cache serves a batch of another size (the decode buffers follow the new shapes)."""
+    model = tiny_model("llama")
+    cfg = IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=False)
+    cache = IceCache(cfg, model)
+    run_steps(model, prompt_ids(300, seed=9, batch=2), cache, 10)
+    cache.reset()
+    ids = prompt_ids(300, seed=3)
+    got = run_steps(model, ids, cache, 10)
+    torch.testing.assert_close(got, run_steps(model, ids, IceCache(cfg, model), 10), rtol=0, atol=0)
+
+
 def test_generate_one_liner_and_logical_length():
     model = tiny_model("llama")
     ids = prompt_ids(200, seed=6)

@@ -310,6 +310,9 @@ class IceLayer(CacheLayerMixin):
         self.device, self.dtype = self.runtime.device, key_states.dtype
         self.batch, self.heads, self.dim = B, H, D
         C, S = cfg.device_pages, cfg.page_size
+        bufs = getattr(self, "_bufs", None)
+        if bufs is not None and (bufs.flush_k.shape != (B, H, S, D) or bufs.flush_k.dtype != self.dtype):
+            self._bufs = None  # an earlier prompt's decode buffers (before a reset), of other shapes
         self.ring = cfg.window + S  # room for a flushed page that is still attended
         L = cfg.sink + self.ring
         # K and V together, so that one copy loads a step's pages of both: the page pool, one row
