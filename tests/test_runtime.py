@@ -6,6 +6,7 @@ greedy agreement and long-range retrieval on a real 4k-token prompt (skipped whe
 be neither found in the cache nor fetched from PyPI). Everything runs on the CPU, offline.
 """
 
+import concurrent.futures
 import copy
 import inspect
 import threading
@@ -833,17 +834,22 @@ def test_prefill_indexes_on_the_worker_while_the_forward_returns(monkeypatch):
     assert cache.stats.index_wait_s > 0
 
 
-def test_prefill_index_failure_surfaces_at_decode_and_stays(monkeypatch):
+@pytest.mark.parametrize("exact_until_indexed", [False, True])
+def test_prefill_index_failure_surfaces_at_decode_and_stays(monkeypatch, exact_until_indexed):
     def failing_add(self, *args):
         raise RuntimeError("index build failed")
 
     monkeypatch.setattr(PageIndex, "add", failing_add)
     model = tiny_model("llama")
-    cache = IceCache(IceCacheConfig(budget=96, full_layers=1), model)
+    cache = IceCache(IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=exact_until_indexed), model)
     ids = prompt_ids(300, seed=7)
     with torch.inference_mode():
         out = model(ids, **{CACHE_KW: cache})
         token = out.logits[:, -1:].argmax(-1)
+        if exact_until_indexed:
+            # Steps attend the whole cache until every index job has ended (however slow the
+            # worker is); the failure surfaces at the first step after that.
+            concurrent.futures.wait(cache.runtime._pending)
         for _ in range(2):  # every later step fails the same way, nothing half-done is used
             with pytest.raises(RuntimeError, match="index build failed"):
                 model(token, **{CACHE_KW: cache})
