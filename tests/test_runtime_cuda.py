@@ -32,6 +32,18 @@ def _padded_batch():
     return ids, mask
 
 
+def _paging_config(**options) -> IceCacheConfig:
+    """A budget that makes the tiny model's layers load and evict pages from the first step."""
+    return IceCacheConfig(
+        budget=96,
+        full_layers=1,
+        superset_pages=12,
+        pool_pages=16,
+        exact_until_indexed=False,  # pages move from the first step
+        **options,
+    )
+
+
 @pytest.mark.parametrize("lookahead", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_budget_covering_context_matches_full_cache(dtype, lookahead):
@@ -50,16 +62,7 @@ def test_cuda_budget_covering_context_matches_full_cache(dtype, lookahead):
 def test_cuda_pages_move_through_pinned_staging(reuse, lookahead, pool_checks):  # noqa: F811
     model = tiny_model("llama").cuda().to(torch.bfloat16)
     ids, mask = _padded_batch()
-    cfg = IceCacheConfig(
-        budget=96,
-        full_layers=1,
-        reuse=reuse,
-        superset_pages=12,
-        pool_pages=16,
-        lookahead=lookahead,
-        exact_until_indexed=False,  # pages move from the first step
-    )
-    cache = IceCache(cfg, model, track_recall=True)
+    cache = IceCache(_paging_config(reuse=reuse, lookahead=lookahead), model, track_recall=True)
     logits = run_steps(model, ids, cache, 100, attention_mask=mask)
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
@@ -101,17 +104,7 @@ def test_cuda_graphs_decode_like_the_eager_path(budget_mode, page_format):
     ids, mask = _padded_batch()
     runs = []
     for graphs in (True, False):
-        cfg = IceCacheConfig(
-            budget=96,
-            full_layers=1,
-            superset_pages=12,
-            pool_pages=16,
-            cuda_graphs=graphs,
-            budget_mode=budget_mode,
-            page_format=page_format,
-            exact_until_indexed=False,  # both runs retrieve from the first step
-        )
-        cache = IceCache(cfg, model)
+        cache = IceCache(_paging_config(cuda_graphs=graphs, budget_mode=budget_mode, page_format=page_format), model)
         runs.append(run_steps(model, ids, cache, 40, attention_mask=mask))
         assert all(bool(layer._step._graphs) == graphs for layer in ice_layers(cache))
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
@@ -125,16 +118,7 @@ def test_cuda_copies_ahead_change_nothing(page_format, reuse, pool_checks):  # n
     ids, mask = _padded_batch()
     runs, ahead = [], []
     for linked in (True, False):
-        cfg = IceCacheConfig(
-            budget=96,
-            full_layers=1,
-            reuse=reuse,
-            superset_pages=12,
-            pool_pages=16,
-            page_format=page_format,
-            exact_until_indexed=False,  # pages move from the first step
-        )
-        cache = IceCache(cfg, model)
+        cache = IceCache(_paging_config(reuse=reuse, page_format=page_format), model)
         if not linked:
             for layer in ice_layers(cache):
                 layer.next_layer = None
@@ -151,16 +135,7 @@ def test_cuda_int8_pages_dequantise_on_the_device(reuse, pool_checks):  # noqa: 
     pool exactly as the CPU reads the store (``PageStore.tokens``), also from CUDA graphs."""
     model = tiny_model("llama").cuda().to(torch.bfloat16)
     ids, mask = _padded_batch()
-    cfg = IceCacheConfig(
-        budget=96,
-        full_layers=1,
-        reuse=reuse,
-        superset_pages=12,
-        pool_pages=16,
-        page_format="int8",
-        exact_until_indexed=False,  # pages move from the first step
-    )
-    cache = IceCache(cfg, model)
+    cache = IceCache(_paging_config(reuse=reuse, page_format="int8"), model)
     logits = run_steps(model, ids, cache, 100, attention_mask=mask)
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
