@@ -288,6 +288,9 @@ class IceLayer(CacheLayerMixin):
         #: The IceCache layer after this one in the model (the last one's: the first), whose
         #: staging copy this one starts early (:meth:`upload_ahead`); set by :class:`IceCache`.
         self.next_layer: Optional[IceLayer] = None
+        # The decode steps' host buffers (pinned on a GPU: kept across resets while the shapes
+        # stay the same), made at the first decode step.
+        self._bufs: Optional[StepBuffers] = None
         self._forget()
 
     def _forget(self) -> None:
@@ -310,7 +313,7 @@ class IceLayer(CacheLayerMixin):
         self.device, self.dtype = self.runtime.device, key_states.dtype
         self.batch, self.heads, self.dim = B, H, D
         C, S = cfg.device_pages, cfg.page_size
-        bufs = getattr(self, "_bufs", None)
+        bufs = self._bufs
         if bufs is not None and (bufs.flush_k.shape != (B, H, S, D) or bufs.flush_k.dtype != self.dtype):
             self._bufs = None  # an earlier prompt's decode buffers (before a reset), of other shapes
         self.ring = cfg.window + S  # room for a flushed page that is still attended
@@ -402,7 +405,7 @@ class IceLayer(CacheLayerMixin):
             except RuntimeError:
                 pass  # cancelled, or failed: forgotten either way
             self.jobs.clear()
-        if getattr(self, "_bufs", None) is not None:
+        if self._bufs is not None:
             self._bufs.forget_ahead()
         self._forget()
 
@@ -636,7 +639,7 @@ class IceLayer(CacheLayerMixin):
     def _buffers(self) -> StepBuffers:
         """The layer's host buffers, made at the first decode step (the query heads are known
         from the first token's keys' layer: ``runtime.query_heads``)."""
-        if getattr(self, "_bufs", None) is None:
+        if self._bufs is None:
             cfg = self.runtime.config
             self._bufs = StepBuffers(
                 self.device,
@@ -937,6 +940,6 @@ class IceLayer(CacheLayerMixin):
             host += sum(ix.forest.nbytes() for ix in self.indexes if ix.forest is not None)
         else:
             host += sum(h.k.numel() * h.k.element_size() * 2 for h in self.histories)
-        if getattr(self, "_bufs", None) is not None:
+        if self._bufs is not None:
             host += self._bufs.nbytes()
         return {"device": dev, "host": host}
