@@ -69,10 +69,10 @@ class StepBuffers:
         """The device's copy of the staging buffer (on the CPU: the staging buffer itself)."""
         return self.staging if self._device_staging is None else self._device_staging
 
-    def upload(self, nbytes: int, job: int = -1) -> torch.Tensor:
-        """Copy the first ``nbytes`` of staging to the device (one asynchronous copy on a GPU);
-        returns the device copy. If :meth:`upload_ahead` already started that copy for ``job``,
-        the current stream only waits for it."""
+    def upload(self, nbytes: int, job: int) -> torch.Tensor:
+        """Copy the first ``nbytes`` of staging, which job number ``job`` wrote, to the device
+        (one asynchronous copy on a GPU); returns the device copy. If :meth:`upload_ahead`
+        already started that copy for ``job``, the current stream only waits for it."""
         if self._device_staging is not None:
             ahead, self._ahead = self._ahead, None
             if ahead == job and self._ahead_done is not None:
