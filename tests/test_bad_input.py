@@ -171,3 +171,80 @@ def test_sizes_and_flags_reject_bools():
         HeadForest(np.ones((1, 20, 8), np.float32), page_size=True)
     with pytest.raises(TypeError, match="capacity"):
         ResidentPages(1, True)
+
+
+def test_effort_and_target_recall_reject_bools_and_none_by_name():
+    x = np.random.default_rng(0).random((50, 4), dtype=np.float32)
+    for make in (lambda: DCIIndex(4, effort=True), lambda: DCIIndex(4, effort=None)):
+        with pytest.raises(TypeError, match="effort"):
+            make()
+    idx = DCIIndex(4, seed=0)
+    idx.add(x)
+    with pytest.raises(TypeError, match="effort"):
+        idx.query(x[:2], 3, effort=True)
+    with pytest.raises(TypeError, match="target_recall"):
+        idx.calibrate(x[:8], 3, True)
+    with pytest.raises(TypeError, match="max_effort"):
+        idx.calibrate(x[:8], 3, max_effort=False)
+    assert idx.calibration is None  # nothing changed
+    f, keys = forest()
+    with pytest.raises(TypeError, match="effort"):
+        HeadForest(keys, page_size=8, effort=True)
+    with pytest.raises(TypeError, match="effort"):
+        f.select(np.ones((4, 16), np.float32), 3, effort=True)
+    with pytest.raises(TypeError, match="scale"):
+        f.select(np.ones((4, 16), np.float32), 3, scale=True)
+    with pytest.raises(TypeError, match="target_recall"):
+        f.calibrate(np.ones((4, 8, 16), np.float32), 3, True)
+    # numbers still pass, ints included
+    assert DCIIndex(4, effort=2).stats()["effort"] == 2.0
+    assert idx.query(x[:2], 3, effort=1)[0].shape == (2, 3)
+
+
+def test_threads_beyond_any_machine_is_a_value_error_naming_threads():
+    for make in (
+        lambda: DCIIndex(4, threads=10**6),
+        lambda: HeadForest(np.ones((1, 20, 8), np.float32), threads=10**6),
+    ):
+        with pytest.raises(ValueError, match="threads"):
+            make()
+    with pytest.raises(ValueError, match="threads"):
+        DCIIndex(4, threads=0)
+
+
+def test_a_store_read_by_one_call_cannot_be_written_by_another_meanwhile():
+    """The rule the docs state: an array a call writes may not be read or written by another
+    running call (NumPy's borrow tracking), a ValueError that says so; reading calls share."""
+    import threading
+
+    f, keys = forest(n=3000, dim=64)
+    ks = np.zeros((2, f.max_pages() + 400, 8, 64), np.float32)
+    vs = np.zeros_like(ks)
+    f.write_pages(keys, keys, ks, vs)
+    heads = np.zeros(20000, np.int64)
+    pages = np.arange(20000) % f.max_pages()
+    kt = np.zeros((20000, 8, 64), np.float32)
+    vt = np.zeros_like(kt)
+    stop = threading.Event()
+    readers_ok = []
+
+    def read():
+        while not stop.is_set():
+            icecache.gather_pages(ks, vs, heads, pages, kt, vt)
+            readers_ok.append(1)
+
+    t = threading.Thread(target=read)
+    t.start()
+    errors = []
+    try:
+        new = np.random.default_rng(1).random((2, 1, 64), dtype=np.float32)
+        for _ in range(200):
+            try:
+                f.insert(new, new, ks, vs)
+            except ValueError as e:
+                errors.append(str(e))
+    finally:
+        stop.set()
+        t.join()
+    assert readers_ok
+    assert all("read or written by another running call" in e for e in errors), errors[:3]

@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 
 from icecache.attend import ranked_decode_attention  # noqa: E402
 from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
+from isolated import isolated  # noqa: E402
 from test_runtime import (  # noqa: E402, F401 (pool_checks is a fixture)
     _held_bridge_run,
     _naive_ranked,
@@ -160,3 +161,71 @@ def test_cuda_bridge_is_exact_then_hands_over(dtype):
         torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
     else:  # bf16 rounding differs between kernels; the predictions must still agree
         assert (ice.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
+
+
+_CAPTURE_PRELUDE = """
+import gc, warnings, torch
+from icecache.runtime import IceCache, IceCacheConfig
+from test_runtime import ice_layers, prompt_ids, run_steps, tiny_model
+model = tiny_model("llama").cuda()
+ids = prompt_ids(300, seed=9).cuda()
+def config(**options):
+    paging = dict(budget=96, full_layers=1, superset_pages=12, pool_pages=16, exact_until_indexed=False)
+    return IceCacheConfig(**paging, **options)
+eager = run_steps(model, ids, IceCache(config(cuda_graphs=False), model), 30)
+"""
+
+
+def test_cuda_no_collection_runs_during_a_capture_and_dropped_caches_break_none():
+    """The cyclic garbage collector may run at any allocation; during a capture, collecting a
+    dropped cache would destroy its graphs and invalidate the capture (torch then aborts the
+    process). With the collector at its most eager (a collection at nearly every allocation)
+    and every cache freed only by it (a cycle), no collection may start while a stream
+    captures, every layer must capture its graphs, and decode must equal the eager path."""
+    out = isolated(
+        _CAPTURE_PRELUDE
+        + """
+during = []
+gc.callbacks.append(lambda phase, info: phase == "start" and during.append(torch.cuda.is_current_stream_capturing()))
+gc.set_threshold(1, 1, 1)
+for i in range(4):
+    cache = IceCache(config(), model)
+    cache.cycle = cache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a capture that fell back to eager would warn
+        got = run_steps(model, ids, cache, 30)
+    print(all(layer._step._graphs for layer in ice_layers(cache)), float((got - eager).abs().max()) < 1e-5)
+    del cache
+print(len(during) > 100, any(during))
+""",
+        timeout=600,
+    )
+    assert out == ["True True"] * 4 + ["True False"], out
+
+
+def test_cuda_a_failed_capture_warns_and_decodes_eagerly():
+    """A capture that fails (here: a call the capture forbids, inside the captured step) is a
+    warning and an eager layer from then on, with the eager path's output, not an abort."""
+    out = isolated(
+        _CAPTURE_PRELUDE
+        + """
+import icecache.runtime.step as step
+attend = step.ranked_decode_attention
+def forbidden(*args, **kwargs):
+    if torch.cuda.is_current_stream_capturing():
+        torch.cuda.synchronize()
+    return attend(*args, **kwargs)
+step.ranked_decode_attention = forbidden
+cache = IceCache(config(), model)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = run_steps(model, ids, cache, 30)
+print(any("capture failed" in str(w.message) for w in caught))
+print(not any(layer._step._graphs for layer in ice_layers(cache)), float((got - eager).abs().max()) < 1e-5)
+with torch.inference_mode():  # the full-cache layers' tensors are inference tensors
+    cache.reset()
+print(float((run_steps(model, ids, cache, 30) - eager).abs().max()) < 1e-5)
+""",
+        timeout=600,
+    )
+    assert out == ["True", "True True", "True"], out

@@ -12,7 +12,10 @@ without the GIL; writing calls (named in each class) take the object exclusively
 running calls and later calls wait for them (a lock in the core, not an error). A call copies
 the keys it validates, so another thread writing the caller's array cannot make it use what it
 did not validate. An array a call writes (a page store, a staging buffer) must not also be one
-of its inputs nor be written by another running call: that raises ``ValueError``.
+of its inputs, nor be read or written by another running call meanwhile (``insert`` into a store
+that ``gather_pages`` is reading, say): that raises ``ValueError`` at once instead of waiting,
+since NumPy's borrow tracking, not the object's lock, guards the caller's arrays. Reading calls
+share arrays freely.
 """
 
 from os import PathLike

@@ -67,7 +67,8 @@ fn borrow_ro<'py, T: Element, D: numpy::ndarray::Dimension>(
 
 fn in_use(what: &str) -> PyErr {
     PyValueError::new_err(format!(
-        "{what} is also an array this call writes, or one that another running call writes: pass separate arrays"
+        "{what} conflicts with another use: an array a call writes may not be another of its arguments, nor be \
+         read or written by another running call meanwhile; pass separate arrays (or wait for the other call)"
     ))
 }
 

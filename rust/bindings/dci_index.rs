@@ -1,15 +1,15 @@
 //! `DCIIndex`: the M-DCI index on its own, as an approximate nearest-neighbour index.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 
 use numpy::IntoPyArray;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::arrays::{extract_ids, matrix, Keys, NdArray1, NdArray2};
-use super::guard::{entry, on_pool, run, sizes, to_py, Shared};
+use super::guard::{entry, run, sizes, to_py, Shared};
+use super::pools::{on_pool, Workers};
 use crate::index::{Calibration, Config, DciIndex, Metric, DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
 
 /// Approximate nearest-neighbour index over a multi-level Dynamic Continuous Indexing tree.
@@ -17,36 +17,9 @@ use crate::index::{Calibration, Config, DciIndex, Metric, DEFAULT_MAX_EFFORT, DE
 #[pyclass(name = "DCIIndex", module = "icecache._core", frozen)]
 pub struct PyDciIndex {
     inner: Shared<DciIndex>,
-    pool: Option<Arc<rayon::ThreadPool>>,
+    workers: Workers,
     dim: usize,
     metric: Metric,
-}
-
-/// The pool of `threads` workers for an object's parallel work (`None`: rayon's global pool).
-/// One pool per thread count, made on first use and shared by every object that asks for that
-/// count: a build then runs on warm threads (and their warm allocator arenas) instead of
-/// spawning fresh ones per object, and objects working at once share the cores they asked for
-/// instead of each spawning its own workers.
-pub(super) fn make_pool(threads: Option<usize>) -> PyResult<Option<Arc<rayon::ThreadPool>>> {
-    static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
-    let n = match threads {
-        None => return Ok(None),
-        Some(0) => return Err(PyValueError::new_err("threads must be at least 1 (or None for all cores)")),
-        Some(n) => n,
-    };
-    // A panic elsewhere cannot leave the list half-changed (a push is the only change).
-    let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, p)) = pools.iter().find(|(m, _)| *m == n) {
-        return Ok(Some(Arc::clone(p)));
-    }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .thread_name(move |i| format!("icecache-{n}-{i}"))
-        .build()
-        .map(Arc::new)
-        .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-    pools.push((n, Arc::clone(&pool)));
-    Ok(Some(pool))
 }
 
 /// The index parameters both Python types take, applied to `cfg` and validated by the core.
@@ -79,13 +52,6 @@ pub(super) fn apply_config(
 
 // `calibrate`'s text signature spells the default out.
 const _: () = assert!(DEFAULT_MIN_EFFORT == 0.0625 && DEFAULT_MAX_EFFORT == 64.0);
-
-/// The constructor's `effort`: a number, or `"auto"`.
-#[derive(FromPyObject)]
-enum EffortArg {
-    Number(f32),
-    Word(String),
-}
 
 /// What `DCIIndex.calibrate` found. See ``icecache/_core.pyi``.
 #[pyclass(name = "Calibration", module = "icecache._core", frozen, get_all)]
@@ -137,13 +103,13 @@ impl PyCalibration {
 }
 
 impl PyDciIndex {
-    fn wrap(inner: DciIndex, pool: Option<Arc<rayon::ThreadPool>>) -> PyDciIndex {
+    fn wrap(inner: DciIndex, workers: Workers) -> PyDciIndex {
         let (dim, metric) = (inner.dim(), inner.metric());
-        PyDciIndex { inner: Shared::new(inner, "DCIIndex"), pool, dim, metric }
+        PyDciIndex { inner: Shared::new(inner, "DCIIndex"), workers, dim, metric }
     }
 
-    fn pool(&self) -> Option<&rayon::ThreadPool> {
-        self.pool.as_deref()
+    fn pool(&self) -> Workers {
+        self.workers
     }
 }
 
@@ -151,7 +117,7 @@ impl PyDciIndex {
 impl PyDciIndex {
     #[new]
     #[pyo3(
-        signature = (dim, metric = "ip", *, num_simple = None, num_composite = None, promotion = None, seed = None, threads = None, effort = EffortArg::Number(1.0)),
+        signature = (dim, metric = "ip", *, num_simple = None, num_composite = None, promotion = None, seed = None, threads = None, effort = Some(1.0)),
         text_signature = "(dim, metric='ip', *, num_simple=None, num_composite=None, promotion=None, seed=None, threads=None, effort=1.0)"
     )]
     #[allow(clippy::too_many_arguments)]
@@ -163,15 +129,12 @@ impl PyDciIndex {
         promotion: Option<&Bound<'_, PyAny>>,
         #[pyo3(from_py_with = sizes::seed)] seed: Option<u64>,
         #[pyo3(from_py_with = sizes::threads)] threads: Option<usize>,
-        effort: EffortArg,
+        #[pyo3(from_py_with = sizes::effort_or_auto)] effort: Option<f32>,
     ) -> PyResult<Self> {
         entry(|| {
             let (effort, auto) = match effort {
-                EffortArg::Number(e) => (e, false),
-                EffortArg::Word(w) if w == "auto" => (1.0, true),
-                EffortArg::Word(w) => {
-                    return Err(PyValueError::new_err(format!("effort must be a number or \"auto\", not {w:?}")))
-                }
+                Some(e) => (e, false),
+                None => (1.0, true),
             };
             let mut cfg = Config::new(dim, Metric::parse(metric).map_err(to_py)?);
             apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
@@ -179,7 +142,7 @@ impl PyDciIndex {
             if auto {
                 inner.set_auto_effort();
             }
-            Ok(PyDciIndex::wrap(inner, make_pool(threads)?))
+            Ok(PyDciIndex::wrap(inner, Workers::new(threads)?))
         })
     }
 
@@ -241,7 +204,7 @@ impl PyDciIndex {
         py: Python<'py>,
         queries: &Bound<'py, PyAny>,
         #[pyo3(from_py_with = sizes::k)] k: usize,
-        effort: Option<f32>,
+        #[pyo3(from_py_with = sizes::optional_effort)] effort: Option<f32>,
         exact: bool,
     ) -> PyResult<(NdArray2<'py, i64>, NdArray2<'py, f32>)> {
         entry(|| {
@@ -270,9 +233,9 @@ impl PyDciIndex {
         py: Python<'_>,
         queries: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = sizes::k)] k: usize,
-        target_recall: f64,
-        min_effort: f32,
-        max_effort: f32,
+        #[pyo3(from_py_with = sizes::target_recall)] target_recall: f64,
+        #[pyo3(from_py_with = sizes::min_effort)] min_effort: f32,
+        #[pyo3(from_py_with = sizes::max_effort)] max_effort: f32,
     ) -> PyResult<PyCalibration> {
         entry(|| {
             let (queries, _) = Keys::extract(queries, "queries", self.dim)?;
@@ -311,9 +274,9 @@ impl PyDciIndex {
         #[pyo3(from_py_with = sizes::threads)] threads: Option<usize>,
     ) -> PyResult<Self> {
         entry(|| {
-            let pool = make_pool(threads)?;
+            let workers = Workers::new(threads)?;
             let inner = run(py, || DciIndex::load(&path))?;
-            Ok(PyDciIndex::wrap(inner, pool))
+            Ok(PyDciIndex::wrap(inner, workers))
         })
     }
 

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 
 use super::arrays::{check_shape, ints, ro, rw, with_elem};
 use super::guard::{entry, run};
+use super::pools::{on_pool, Workers};
 
 /// Copies pages ``(heads[i], pages[i])`` of the stores into staging rows ``i``.
 #[pyfunction]
@@ -31,7 +32,11 @@ pub(super) fn gather_pages(
             let (ktl, vtl) = (kt.as_slice_mut()?, vt.as_slice_mut()?);
             let (ksl, vsl) = (ks.as_slice()?, vs.as_slice()?);
             let block = kshape[2] * kshape[3];
-            run(py, || crate::load::gather_pages(ksl, vsl, kshape[0], block, &hs, &ps, ktl, vtl))
+            run(py, || {
+                on_pool(Workers::default_size(), true, || {
+                    crate::load::gather_pages(ksl, vsl, kshape[0], block, &hs, &ps, ktl, vtl)
+                })
+            })
         })
     })
 }

@@ -56,19 +56,6 @@ pub(super) fn run<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> 
     py.allow_threads(|| catch_panics(f)).map_err(to_py)
 }
 
-/// `f` on `pool` when there is one and `parallel` work is coming (handing a small call to a
-/// pool thread costs more than the call), on the calling thread otherwise.
-pub(super) fn on_pool<T: Send>(
-    pool: Option<&rayon::ThreadPool>,
-    parallel: bool,
-    f: impl FnOnce() -> crate::Result<T> + Send,
-) -> crate::Result<T> {
-    match pool {
-        Some(p) if parallel => p.install(f),
-        _ => f(),
-    }
-}
-
 /// A core object shared by Python threads (and by the look-ahead worker's jobs, which take the
 /// same lock): any number of readers at once, or one writer. A panic while a writer holds it
 /// poisons the lock (the object may be half-changed), and every later call says so instead of
@@ -227,5 +214,63 @@ pub(super) mod sizes {
         }
         let v = int_value(obj, "seed")?;
         u64::try_from(v).map(Some).map_err(|_| PyValueError::new_err(format!("seed must be in 0..2**64, got {v}")))
+    }
+
+    /// A real number argument: an int or a float, not a bool (which Python would take as 0
+    /// or 1) and not None; a `TypeError` that names the argument otherwise.
+    fn real(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
+        let not_number = || PyTypeError::new_err(format!("{name} must be a number, not {}", type_name(obj)));
+        if obj.is_instance_of::<PyBool>() || obj.is_none() {
+            return Err(not_number());
+        }
+        obj.extract::<f64>().map_err(|_| not_number())
+    }
+
+    fn type_name(obj: &Bound<'_, PyAny>) -> String {
+        obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "this type".to_string())
+    }
+
+    /// Real-number arguments (their ranges are checked by the core).
+    macro_rules! reals {
+        ($($name:ident: $t:ty),* $(,)?) => {
+            $(
+                pub(in crate::bindings) fn $name(obj: &Bound<'_, PyAny>) -> PyResult<$t> {
+                    real(obj, stringify!($name)).map(|v| v as $t)
+                }
+            )*
+        };
+    }
+    reals!(effort: f32, target_recall: f64, min_effort: f32, max_effort: f32, scale: f32);
+
+    /// An optional effort: `None` (each index's own default) or a number.
+    pub(in crate::bindings) fn optional_effort(obj: &Bound<'_, PyAny>) -> PyResult<Option<f32>> {
+        if obj.is_none() {
+            Ok(None)
+        } else {
+            effort(obj).map(Some)
+        }
+    }
+
+    /// An optional scale: `None` (the default `1/sqrt(d)`) or a number.
+    pub(in crate::bindings) fn optional_scale(obj: &Bound<'_, PyAny>) -> PyResult<Option<f32>> {
+        if obj.is_none() {
+            Ok(None)
+        } else {
+            scale(obj).map(Some)
+        }
+    }
+
+    /// `DCIIndex`'s `effort`: a number, or `"auto"` (`None` here: calibrate on the first query).
+    pub(in crate::bindings) fn effort_or_auto(obj: &Bound<'_, PyAny>) -> PyResult<Option<f32>> {
+        if let Ok(w) = obj.extract::<String>() {
+            return if w == "auto" {
+                Ok(None)
+            } else {
+                Err(PyValueError::new_err(format!("effort must be a number or \"auto\", not {w:?}")))
+            };
+        }
+        real(obj, "effort")
+            .map(|v| Some(v as f32))
+            .map_err(|_| PyTypeError::new_err(format!("effort must be a number or \"auto\", not {}", type_name(obj))))
     }
 }

@@ -1,14 +1,13 @@
 //! `HeadForest`: one M-DCI tree per KV head of a layer, laid out as semantic pages, with page
 //! selection and decode-time inserts.
 
-use std::sync::Arc;
-
 use numpy::{IntoPyArray, PyArrayDescrMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::arrays::{check_shape, matrix, ro, rw, to_i32, with_elem, Keys, NdArray1, NdArray2};
-use super::dci_index::{apply_config, make_pool, PyCalibration};
-use super::guard::{entry, on_pool, release, run, sizes, to_py, Shared};
+use super::dci_index::{apply_config, PyCalibration};
+use super::guard::{entry, release, run, sizes, to_py, Shared};
+use super::pools::{on_pool, Workers};
 use crate::index::{DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
 use crate::pages::{int8, HeadForest, PageFormat};
 use crate::select::SelectParams;
@@ -19,7 +18,7 @@ use crate::select::SelectParams;
 pub struct PyHeadForest {
     /// Shared with the look-ahead worker's jobs (`bindings::lookahead`).
     pub(super) inner: Shared<HeadForest>,
-    pool: Option<Arc<rayon::ThreadPool>>,
+    workers: Workers,
     pub(super) num_heads: usize,
     pub(super) dim: usize,
     pub(super) page_size: usize,
@@ -27,8 +26,8 @@ pub struct PyHeadForest {
 }
 
 impl PyHeadForest {
-    fn pool(&self) -> Option<&rayon::ThreadPool> {
-        self.pool.as_deref()
+    fn pool(&self) -> Workers {
+        self.workers
     }
 
     /// K and V page stores: `[H_kv, P, page_size, d]` each.
@@ -101,19 +100,19 @@ impl PyHeadForest {
         #[pyo3(from_py_with = sizes::num_simple)] num_simple: Option<usize>,
         #[pyo3(from_py_with = sizes::num_composite)] num_composite: Option<usize>,
         promotion: Option<&Bound<'_, PyAny>>,
-        effort: f32,
+        #[pyo3(from_py_with = sizes::effort)] effort: f32,
     ) -> PyResult<Self> {
         entry(|| {
             let format = PageFormat::parse(page_format).map_err(to_py)?;
             let (keys, shape) = Keys::extract_nd(keys, "keys", 0, 3)?;
             let mut cfg = HeadForest::default_config(shape[2]);
             apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
-            let pool = make_pool(threads)?;
+            let workers = Workers::new(threads)?;
             let data = keys.data()?;
-            let p = pool.as_deref();
-            let inner = run(py, || on_pool(p, true, || HeadForest::build(data, shape[0], cfg, page_size, format)))?;
+            let inner =
+                run(py, || on_pool(workers, true, || HeadForest::build(data, shape[0], cfg, page_size, format)))?;
             let (num_heads, dim, page_size) = (inner.num_heads(), inner.dim(), inner.page_size());
-            Ok(PyHeadForest { inner: Shared::new(inner, "HeadForest"), pool, num_heads, dim, page_size, format })
+            Ok(PyHeadForest { inner: Shared::new(inner, "HeadForest"), workers, num_heads, dim, page_size, format })
         })
     }
 
@@ -258,8 +257,8 @@ impl PyHeadForest {
         queries: &Bound<'py, PyAny>,
         #[pyo3(from_py_with = sizes::max_pages)] max_pages: usize,
         k_store: Option<&Bound<'py, PyAny>>,
-        scale: Option<f32>,
-        effort: Option<f32>,
+        #[pyo3(from_py_with = sizes::optional_scale)] scale: Option<f32>,
+        #[pyo3(from_py_with = sizes::optional_effort)] effort: Option<f32>,
         exact: bool,
         #[pyo3(from_py_with = sizes::successors)] successors: usize,
         group_view: bool,
@@ -293,10 +292,10 @@ impl PyHeadForest {
         py: Python<'_>,
         queries: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = sizes::k)] k: usize,
-        target_recall: f64,
+        #[pyo3(from_py_with = sizes::target_recall)] target_recall: f64,
         k_store: Option<&Bound<'_, PyAny>>,
-        min_effort: f32,
-        max_effort: f32,
+        #[pyo3(from_py_with = sizes::min_effort)] min_effort: f32,
+        #[pyo3(from_py_with = sizes::max_effort)] max_effort: f32,
     ) -> PyResult<Vec<PyCalibration>> {
         entry(|| {
             let (q, shape) = Keys::extract_nd(queries, "queries", self.dim, 3)?;

@@ -11,12 +11,14 @@ mod functions;
 mod guard;
 mod head_forest;
 mod lookahead;
+mod pools;
 mod resident_pages;
 
 use pyo3::prelude::*;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    pools::note_loading_process();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("IndexFileError", m.py().get_type::<guard::IndexFileError>())?;
     // What `effort="auto"` calibrates for: the runtime's prompt calibration uses the same.

@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from icecache import _core
+from icecache.runtime import graphs
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import enable
 from icecache.runtime.layer import IceLayer, Runtime, RuntimeStats
@@ -121,6 +122,8 @@ class IceCache(Cache):
             layer.next_layer = after
         super().__init__(layers=layers)
         enable(model)
+        # A safe point: the graphs of caches collected since are destroyed now.
+        graphs.release_retired()
 
     @classmethod
     def from_prefilled(
@@ -202,4 +205,10 @@ class IceCache(Cache):
         cancelled, and its errors are forgotten."""
         self.runtime.wait_indexed(errors=False)
         super().reset()
+        for layer in self.layers:
+            if isinstance(layer, DynamicLayer) and layer.is_initialized:
+                # transformers before 5.24 zeroes a dynamic layer's tensors instead of dropping
+                # them, and the next prompt would follow as many zero tokens.
+                layer.keys = layer.values = None
+                layer.is_initialized = False
         self.runtime.forget()

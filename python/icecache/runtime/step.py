@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from icecache.attend.ranked import RankedAttention, ranked_decode_attention
+from icecache.runtime.graphs import capture, retire_with
 from icecache.runtime.pages import dequantize_pages, int8_page_bytes
 
 __all__ = ["DeviceStep"]
@@ -105,6 +106,8 @@ class DeviceStep:
         self._graphs_on = graphs and dev.type == "cuda"
         self._pool = pool
         self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Destroyed at a safe point after this step is collected, never during a capture.
+        retire_with(self, self._graphs)
 
     def start_window(self, next_slots) -> None:
         """Where each sequence's next window token goes: ring slot ``next_slots[b]``."""
@@ -193,7 +196,7 @@ class DeviceStep:
                     self._ops(pages)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with capture(graph, pool=self._pool):
                 out = self._ops(pages).out
         finally:
             for t, s in zip(state, saved):

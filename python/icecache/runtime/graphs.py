@@ -1,0 +1,68 @@
+"""CUDA graph capture and release that the rest of the process cannot break.
+
+A stream capture is invalidated by any CUDA call that capture forbids, and torch then aborts
+the whole process from a destructor (``cudaErrorStreamCaptureInvalidated``), with no Python
+exception. Two sources of such calls lie outside the code being captured:
+
+- **Destroying another graph.** Python's cyclic garbage collector runs at arbitrary
+  allocations, the capture's own included. When it collects a dropped IceCache during a
+  capture, that cache's graphs are destroyed (``cudaGraphDestroy``, ``cudaGraphExecDestroy``:
+  "operation not permitted when stream is capturing (function reset)"). Hence a graph is never
+  destroyed with its owner: an owner's graphs are *retired* when it is collected
+  (:func:`retire_with`) and destroyed at a safe point (:func:`release_retired`, before each
+  capture and when a cache is made). The collector is also paused during a capture.
+- **Other threads.** The prefill index worker copies device tensors to the host and records
+  events while decode steps capture. In torch's default ``"global"`` error mode, those calls
+  invalidate the capture; in ``"thread_local"`` mode only the capturing thread's calls are
+  checked, which is correct here because no other thread uses the capturing stream (the
+  worker has its own stream and waits only on events recorded before the capture).
+
+Captures run one at a time in the process (torch allows one at a time), under one lock that
+:func:`release_retired` takes too.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+__all__ = ["capture", "release_retired", "retire_with"]
+
+_lock = threading.RLock()
+_retired: List[Any] = []
+
+
+def retire_with(owner: object, graphs: Dict[Any, Any]) -> None:
+    """When ``owner`` is collected, keep ``graphs`` (its CUDA graphs and their outputs) alive
+    until the next :func:`release_retired` instead of destroying them then (which may be in the
+    middle of another capture)."""
+    weakref.finalize(owner, _retired.append, graphs)
+
+
+def release_retired() -> None:
+    """Destroys the graphs of collected owners (a safe point: waits for any capture to end)."""
+    with _lock:
+        while _retired:
+            _retired.pop()
+
+
+@contextmanager
+def capture(graph: "torch.cuda.CUDAGraph", pool: Optional[Any] = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)``, one capture at a time in the process, with the
+    retired graphs destroyed first, the garbage collector paused and capture errors confined
+    to this thread (see the module doc). A failed capture raises ``RuntimeError``."""
+    with _lock:
+        release_retired()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                yield
+        finally:
+            if collecting:
+                gc.enable()
