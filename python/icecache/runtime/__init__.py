@@ -16,8 +16,8 @@ plain copies.
 from icecache.runtime.cache import SUPPORTED_MODEL_TYPES, IceCache
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import ATTN_IMPLEMENTATION, enable
-from icecache.runtime.layer import RuntimeStats
 from icecache.runtime.parallel import HeadShard, kv_heads_per_rank
+from icecache.runtime.runtime import RuntimeStats
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

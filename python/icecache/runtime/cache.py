@@ -11,8 +11,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from icecache import _core
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import enable
-from icecache.runtime.layer import IceLayer, Runtime, RuntimeStats
+from icecache.runtime.layer import IceLayer
 from icecache.runtime.parallel import HeadShard, head_shard, rank_config
+from icecache.runtime.runtime import Runtime, RuntimeStats
 
 if TYPE_CHECKING:
     from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
