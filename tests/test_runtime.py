@@ -505,6 +505,15 @@ def test_adaptive_ranking_shares_the_budget_among_heads_by_mass(pages):
     assert every.all()
 
 
+def test_attend_star_import_names_what_exists():
+    """``from icecache.attend import *`` imports every name of its ``__all__``."""
+    namespace: dict = {}
+    exec("from icecache.attend import *", namespace)
+    import icecache.attend
+
+    assert set(icecache.attend.__all__) <= set(namespace)
+
+
 def test_attention_recall():
     g = torch.Generator().manual_seed(2)
     H, G, D, P, S = 2, 2, 8, 5, 4

@@ -3,7 +3,7 @@
 - :class:`IceCacheConfig`: budget, page size, sink, window, full layers, layer reuse, index
   parameters, device.
 - :class:`IceCache`: a transformers ``Cache``; ``model.generate(input_ids,
-  past_key_values=IceCache(config, model))`` decodes with KV retrieval.
+  cache=IceCache(config, model))`` decodes with KV retrieval.
 - :func:`enable`: switch a model to the ``"icecache"`` attention implementation (done by
   ``IceCache(config, model)``; plain SDPA for any other cache).
 - :func:`kv_heads_per_rank`, :class:`HeadShard`: tensor parallelism, one IceCache per rank
