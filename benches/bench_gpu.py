@@ -22,7 +22,7 @@ own shard. Per context length, one prompt of random tokens:
 - IceCache's host time: during the TPOT rounds, the host time IceCache's own code takes per
   IceCache layer step (window writes, waiting for the layer's host job, the copy and scatter,
   ranking and attention launches), and how much of it was waiting; and the share of layer
-  steps whose staging copy started early, on the copy stream (``IceLayer.upload_ahead``;
+  steps whose staging copy started early, on the copy stream (``LayerJobs.upload_ahead``;
   ``-inline`` variants turn that off, for comparison);
 - IceCache breakdown: one more pass per IceCache variant with a device sync at every stage
   boundary (``Runtime.sync_timing``), per token: wait (for the layer's host job: with
@@ -291,7 +291,7 @@ def ice_options(name: str) -> dict:
     pages), ``-gv`` / ``-ov`` (group view on / one view per query head), ``-wait`` (no bridge:
     the first step waits for the index; the prompt's device copy is freed once copied), ``-rN``
     (refresh N), ``-eX`` (effort X), ``-tN`` (N index threads), ``-inline`` (every staging copy at
-    its layer's own step, none started early: ``IceLayer.upload_ahead`` off, for comparison; not
+    its layer's own step, none started early: ``LayerJobs.upload_ahead`` off, for comparison; not
     a config option); empty for any other name."""
     parts = name.split("-")
     if parts[0] != "ice" or len(parts) < 2:
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
         steps = [total - t_first]  # the second token's step, then on until the switch
         ready = t_first
         with torch.inference_mode():
-            while cache.runtime.bridged:
+            while cache.runtime.bridges.active:
                 ready = time.perf_counter() - t
                 t1 = time.perf_counter()
                 tok = step(cache, tok)

@@ -165,11 +165,11 @@ def check_pool(layer):
                 continue
             tokens = page_tokens[h, page]
             assert n == len(tokens), f"slot {slot} holds {n} tokens of page {page}, which has {len(tokens)}"
-            assert torch.equal(layer.pool_k[b, h, slot, :n].cpu(), store_k[h, page, :n])
-            assert torch.equal(layer.pool_v[b, h, slot, :n].cpu(), store_v[h, page, :n])
+            assert torch.equal(layer.pool_kv[0, b, h, slot, :n].cpu(), store_k[h, page, :n])
+            assert torch.equal(layer.pool_kv[1, b, h, slot, :n].cpu(), store_v[h, page, :n])
             if layer.leader is not None:  # a reusing layer's store: its own keys, the leader's layout
                 t = torch.from_numpy(tokens.astype(np.int64))
-                for store, hist in ((store_k, layer.histories[b].k), (store_v, layer.histories[b].v)):
+                for store, hist in ((store_k, layer.jobs.histories[b].k), (store_v, layer.jobs.histories[b].v)):
                     if int8:
                         check_quantised(store[h, page, :n], hist[h, t])
                     else:
@@ -203,18 +203,19 @@ def pool_checks(monkeypatch):
     """Checks every pool (:func:`check_pool`) each time a layer's device step has applied a
     job (before the layer starts its next job); yields the list of page counts compared."""
     counts, layer_of = [], {}
-    open_jobs, step = IceLayer._open_jobs, DeviceStep.__call__
+    open_step, step = IceLayer._open_step, DeviceStep.__call__
 
     def opened(self, *args):
-        open_jobs(self, *args)
-        layer_of[id(self._step)] = self
+        device_step = open_step(self, *args)
+        layer_of[id(device_step)] = self
+        return device_step
 
     def stepped(self, *args, **kwargs):
         out = step(self, *args, **kwargs)
         counts.append(check_pool(layer_of[id(self)]))
         return out
 
-    monkeypatch.setattr(IceLayer, "_open_jobs", opened)
+    monkeypatch.setattr(IceLayer, "_open_step", opened)
     monkeypatch.setattr(DeviceStep, "__call__", stepped)
     return counts
 
@@ -504,6 +505,15 @@ def test_adaptive_ranking_shares_the_budget_among_heads_by_mass(pages):
     assert every.all()
 
 
+def test_attend_star_import_names_what_exists():
+    """``from icecache.attend import *`` imports every name of its ``__all__``."""
+    namespace: dict = {}
+    exec("from icecache.attend import *", namespace)
+    import icecache.attend
+
+    assert set(icecache.attend.__all__) <= set(namespace)
+
+
 def test_attention_recall():
     g = torch.Generator().manual_seed(2)
     H, G, D, P, S = 2, 2, 8, 5, 4
@@ -580,7 +590,7 @@ def test_budget_covering_context_equals_full_cache(arch, reuse, lookahead, budge
         layer.jobs.wait()  # the look-ahead job of the next step has inserted too
         # sink + offloaded + window account for every token, and the window moved twice.
         index = (layer.indexes if layer.leader is None else layer.leader.indexes)[0]
-        assert layer.sink_len[0] + len(index.forest) + layer.win_len[0] - layer._in_job[0] == 332
+        assert layer.window.sink_len[0] + len(index.forest) + layer.window.win_len[0] - layer.window.in_job[0] == 332
         assert len(index.forest) == 300 - 16 - 32 + 2 * 16
     assert len(pool_checks) == 32 * len(layers) and sum(pool_checks) > 0
 
@@ -652,7 +662,7 @@ def test_lookahead_keeps_flushed_tokens_attended_until_inserted(pool_checks):
 
     def after_step():
         layer = ice_layers(cache)[0]
-        seen.append((layer.win_len[0], sum(layer._in_job)))
+        seen.append((layer.window.win_len[0], sum(layer.window.in_job)))
 
     ice = run_steps(model, ids, cache, 70, after_step=after_step)
     torch.testing.assert_close(ice, full, rtol=1e-4, atol=1e-4)
@@ -725,8 +735,8 @@ def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse, page_fo
         for seq, index in enumerate(indexes):
             real = keys[seq][:, mask[seq].bool().tolist() + [True] * (keys.shape[2] - mask.shape[1])]
             n = real.shape[1]
-            s = layer.sink_len[seq]
-            assert s + len(index.forest) + layer.win_len[seq] - layer._in_job[seq] == n
+            s = layer.window.sink_len[seq]
+            assert s + len(index.forest) + layer.window.win_len[seq] - layer.window.in_job[seq] == n
             stored_k = layer.stores[seq].tokens(keys.dtype)[0]
             for h in range(layer.heads):  # the stores hold each offloaded token in its page
                 page, slot = (torch.from_numpy(x).long() for x in index.forest.token_map(h))
@@ -791,7 +801,7 @@ def test_worker_error_surfaces_at_the_next_step_and_reset_recovers():
     layer.jobs.wait()
     tiny = np.zeros((layer.heads, 1, cfg.page_size, layer.dim), np.float32)
     empty = icecache.ResidentPages(layer.heads, cfg.device_pages)  # so that the job must load pages
-    layer.jobs.set_lane(0, tiny, tiny.copy(), forest=layer.indexes[0].forest, resident=empty)
+    layer.jobs.lookahead.set_lane(0, tiny, tiny.copy(), forest=layer.indexes[0].forest, resident=empty)
     token = torch.tensor([[5]])
     with torch.inference_mode():
         model(token, **{CACHE_KW: cache})  # applies the job started before; starts a bad one
@@ -1022,9 +1032,9 @@ def _dequantised_reference(layer, q, out):
     H, scale = layer.heads, layer._step._scale
     indexes = layer.indexes if layer.leader is None else layer.leader.indexes
     for b in range(B):
-        keys = [layer.dense_kv[0, b].float()]
-        vals = [layer.dense_kv[1, b].float()]
-        valid = [layer.dense_valid[b]]
+        keys = [layer.window.dense_kv[0, b].float()]
+        vals = [layer.window.dense_kv[1, b].float()]
+        valid = [layer.window.dense_valid[b]]
         forest = indexes[b].forest
         if forest is not None:
             k, v = layer.stores[b].tokens(layer.dtype)
@@ -1081,7 +1091,7 @@ def test_int8_pages_attend_exactly_the_dequantised_tokens(reuse, lookahead, pool
     for layer in layers:
         layer.jobs.wait()
         index = (layer.indexes if layer.leader is None else layer.leader.indexes)[0]
-        assert layer.sink_len[0] + len(index.forest) + layer.win_len[0] - layer._in_job[0] == 340
+        assert layer.window.sink_len[0] + len(index.forest) + layer.window.win_len[0] - layer.window.in_job[0] == 340
         assert len(index.forest) > 300 - 48, "no window page was inserted"
 
 
@@ -1122,7 +1132,7 @@ def test_host_bytes_count_the_indexes(page_format):
         assert indexes < rows < stores
     else:
         assert indexes > rows
-    buffers = sum(layer._bufs.nbytes() for layer in layers) + cache.runtime.transit.nbytes()
+    buffers = sum(layer.jobs.buffers().nbytes() for layer in layers) + cache.runtime.transit.nbytes()
     assert cache.nbytes()["host"] == stores + indexes + buffers
 
 

@@ -68,9 +68,9 @@ def test_cuda_pages_move_through_pinned_staging(reuse, lookahead, pool_checks): 
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
     layers = ice_layers(cache)
-    assert all(layer.pool_kv.is_cuda and layer.dense_valid.is_cuda for layer in layers)
+    assert all(layer.pool_kv.is_cuda and layer.window.dense_valid.is_cuda for layer in layers)
     for layer in layers:
-        bufs = layer._bufs
+        bufs = layer.jobs.buffers()
         assert all(t.is_pinned() for t in (bufs.queries, bufs.flag, bufs.flush_k, bufs.staging))
     assert cache.runtime.transit.stream is not None
     assert cache.stats.pages_loaded > 0 and sum(pool_checks) > 0
@@ -113,7 +113,7 @@ def test_cuda_graphs_decode_like_the_eager_path(budget_mode, page_format):
 
 @pytest.mark.parametrize("page_format, reuse", [("native", 1), ("int8", 2)])
 def test_cuda_copies_ahead_change_nothing(page_format, reuse, pool_checks):  # noqa: F811
-    """Staging copies started early on the copy stream (``IceLayer.upload_ahead``) give the
+    """Staging copies started early on the copy stream (``LayerJobs.upload_ahead``) give the
     same decode as copies made at each layer's own step (the layers unlinked)."""
     model = tiny_model("llama").cuda()
     ids, mask = _padded_batch()

@@ -77,7 +77,7 @@ def _selections(cache) -> dict:
     IceCache layer, ``[H_kv, M]`` (-1: none). The one place that reads the runtime's selection
     state."""
     return {
-        layer.layer_idx: layer.jobs.selected()[0]
+        layer.layer_idx: layer.jobs.lookahead.selected()[0]
         for layer in cache.layers
         if isinstance(layer, IceLayer) and layer.leader is None
     }

@@ -16,7 +16,6 @@ from icecache.attend.reference import attention_recall, sparse_decode_attention
 
 __all__ = [
     "RankedAttention",
-    "RankedAttentionGraph",
     "attention_recall",
     "ranked_decode_attention",
     "sparse_decode_attention",

@@ -3,7 +3,7 @@
 - :class:`IceCacheConfig`: budget, page size, sink, window, full layers, layer reuse, index
   parameters, device.
 - :class:`IceCache`: a transformers ``Cache``; ``model.generate(input_ids,
-  past_key_values=IceCache(config, model))`` decodes with KV retrieval.
+  cache=IceCache(config, model))`` decodes with KV retrieval.
 - :func:`enable`: switch a model to the ``"icecache"`` attention implementation (done by
   ``IceCache(config, model)``; plain SDPA for any other cache).
 - :func:`kv_heads_per_rank`, :class:`HeadShard`: tensor parallelism, one IceCache per rank
@@ -16,8 +16,8 @@ plain copies.
 from icecache.runtime.cache import SUPPORTED_MODEL_TYPES, IceCache
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import ATTN_IMPLEMENTATION, enable
-from icecache.runtime.layer import RuntimeStats
 from icecache.runtime.parallel import HeadShard, kv_heads_per_rank
+from icecache.runtime.runtime import RuntimeStats
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any, List, Optional, Union
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from icecache import _core
 from icecache.runtime import graphs
 from icecache.runtime.config import IceCacheConfig
 from icecache.runtime.integration import enable
-from icecache.runtime.layer import IceLayer, Runtime, RuntimeStats
+from icecache.runtime.layer import IceLayer
 from icecache.runtime.parallel import HeadShard, head_shard, rank_config
+from icecache.runtime.runtime import Runtime, RuntimeStats
 
 if TYPE_CHECKING:
     from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
@@ -79,7 +79,6 @@ class IceCache(Cache):
     Raises:
         ValueError: unsupported model or attention type, or KV heads that do not divide by
             the model's tensor-parallel size.
-        ImportError: the installed core has no page layer.
 
     Attributes:
         shard: the KV heads this process holds (all of them without tensor parallelism).
@@ -94,8 +93,6 @@ class IceCache(Cache):
         text_config = model.config.get_text_config(decoder=True)
         layer_types = _layer_types(text_config)
         shard = head_shard(model, text_config)
-        if not hasattr(_core, "HeadForest"):
-            raise ImportError("this build of icecache._core has no page layer (HeadForest); reinstall icecache")
         device = torch.device(config.device) if config.device is not None else next(model.parameters()).device
         self.config = config
         self.shard = shard

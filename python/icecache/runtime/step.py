@@ -22,7 +22,8 @@ import torch
 
 from icecache.attend.ranked import RankedAttention, ranked_decode_attention
 from icecache.runtime.graphs import capture, retire_with
-from icecache.runtime.pages import dequantize_pages, int8_page_bytes
+from icecache.runtime.pages import dequantize_pages
+from icecache.runtime.staging import StagingView
 
 __all__ = ["DeviceStep"]
 
@@ -36,8 +37,7 @@ class DeviceStep:
         pool_masks: ``[B*H*C + 1, S]`` bool, which tokens of each pool slot are valid (trash last).
         dense_kv: ``[2, B, H, L, D]`` the sink, the window ring and a trash slot last.
         dense_valid: ``[B, H, L]`` bool.
-        staging: the device copy of the layer's staging buffer (uint8).
-        layout: its ``icecache._core.StagingLayout``.
+        staging: the regions of the device copy of the layer's staging buffer.
         ring: ``(first, size)``: where the window ring starts in the dense tokens, and its slots.
         query_heads, scale: of the layer's attention.
         adaptive: share the pages among the KV heads by mass (``budget_mode="adaptive"``).
@@ -54,8 +54,7 @@ class DeviceStep:
         pool_masks: torch.Tensor,
         dense_kv: torch.Tensor,
         dense_valid: torch.Tensor,
-        staging: torch.Tensor,
-        layout,
+        staging: StagingView,
         *,
         ring: Tuple[int, int],
         query_heads: int,
@@ -77,21 +76,14 @@ class DeviceStep:
         self._ring_first, self._ring = ring
         self._scale = scale
         self._adaptive = adaptive
-        n, m = layout.max_loads, layout.max_masks
-        self._load_idx = staging[: 8 * n].view(torch.int64)
-        self._mask_idx = staging[8 * n : 8 * (n + m)].view(torch.int64)
-        self._masks = staging[layout.mask_at : layout.mask_at + m * S].view(torch.bool).view(m, S)
-        rows = staging[layout.rows_at : layout.bytes]
+        self._load_idx, self._mask_idx, self._masks = staging.load_idx, staging.mask_idx, staging.masks
         # int8: [n, 2, page bytes], dequantised per step (only the staged pages when eager).
         self._int8 = page_format == "int8"
-        if self._int8:
-            self._rows = rows.view(n, 2, int8_page_bytes(S, D))
-        else:
-            self._rows = rows.view(dense_kv.dtype).view(n, 2, S * D).transpose(0, 1)
+        self._rows = staging.rows if self._int8 else staging.rows.transpose(0, 1)
         self._page = (S, D)
         # Until a job's outcome arrives, every entry names the trash slot.
-        self._load_idx.fill_(layout.trash)
-        self._mask_idx.fill_(layout.trash)
+        self._load_idx.fill_(staging.trash)
+        self._mask_idx.fill_(staging.trash)
         # The step's inputs, and the device state that the graphs advance.
         self.query = torch.zeros(B, query_heads, D, dtype=dense_kv.dtype, device=dev)
         self.kv = torch.zeros(2, B, H, D, dtype=dense_kv.dtype, device=dev)

@@ -85,7 +85,7 @@ class StepBuffers:
         """Start :meth:`upload` of ``job``'s staging early, on ``stream`` (a GPU only), so that
         the copy runs while the device computes the layers before this one; the caller must
         know that the device has finished reading the previous upload (see
-        ``IceLayer.upload_ahead``)."""
+        ``LayerJobs.upload_ahead``)."""
         if self._device_staging is None or self._ahead_done is None:
             return
         with torch.cuda.stream(stream):

@@ -1,0 +1,195 @@
+"""The bridge (``IceCacheConfig.exact_until_indexed``): decode steps attend a layer's whole
+cache on the device until every index is ready, then the layers leave it together.
+
+Per layer, a :class:`Bridge` holds the prompt's keys and values with the tokens decoded since
+and moves the tokens that left the window into the index: by catch-up jobs on the index
+worker while the bridge goes on, and the last few itself when it ends. :class:`Bridges`, one
+per cache, decides once per step whether that step is bridged, so that every layer leaves at
+the same step (docs/ARCHITECTURE.md, section Runtime).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from enum import Enum
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from icecache.runtime.transfer import Transit
+from icecache.runtime.window import DeviceWindow
+
+__all__ = ["CATCH_UP_ON_THE_STEP", "Bridge", "Bridges"]
+
+#: The step that leaves the bridge moves at most this many tokens per sequence into the index
+#: itself (a page); a larger backlog goes to the index worker first, while the bridge goes on,
+#: because moving it on the step stalls that step (benches/RESULTS.md, section "Decode from the
+#: whole cache until the index is ready").
+CATCH_UP_ON_THE_STEP = 16
+
+
+class Bridge:
+    """A layer's whole cache on the device while the indexes are built: the prompt's keys and
+    values with the tokens decoded since, ``[B, H_kv, T + t, D]``, attended as a full cache does.
+
+    Args:
+        k, v: the prompt's keys and values on the device.
+        valid: ``[B, T]`` real (non-padding) prompt positions, or ``None`` for all.
+        unindexed: per sequence, the first real token the index does not hold (the prompt's
+            window; catch-up jobs move it on).
+        padding: per sequence, the prompt's padding positions.
+        window: the layer's device window, which takes the last tokens when the bridge ends.
+        catch_up: puts sequence ``b``'s tokens ``[H_kv, c, D]`` (CPU) into its index, in
+            position order after those indexed before (the layer's jobs).
+        submit: runs a function on the runtime's index worker.
+        transit: the runtime's host buffer for device-to-host copies on that worker.
+    """
+
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid: Optional[torch.Tensor],
+        unindexed: List[int],
+        padding: List[int],
+        *,
+        window: DeviceWindow,
+        catch_up: Callable[[int, torch.Tensor, torch.Tensor], None],
+        submit: Callable[..., None],
+        transit: Transit,
+    ):
+        self.k, self.v, self.valid = k, v, valid
+        self.unindexed, self.padding = unindexed, padding
+        self._window, self._catch_up, self._submit, self._transit = window, catch_up, submit, transit
+
+    def real(self, b: int) -> int:
+        """Sequence ``b``'s real tokens so far."""
+        return self.k.shape[-2] - self.padding[b]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = torch.cat([self.k, k], dim=-2)
+        self.v = torch.cat([self.v, v], dim=-2)
+
+    def tokens(self, b: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``b``'s real tokens ``[H_kv, n, D]``, keys and values."""
+        kb, vb = self.k[b], self.v[b]
+        if self.valid is None or bool(self.valid[b].all()):
+            return kb, vb
+        T = self.valid.shape[1]
+        idx = torch.cat([self.valid[b].nonzero()[:, 0], torch.arange(T, kb.shape[1], device=self.valid.device)])
+        idx = idx.to(kb.device)
+        return kb[:, idx], vb[:, idx]
+
+    def backlog(self) -> int:
+        """The most tokens of any sequence that leaving the bridge would move into the index now."""
+        window = self._window.window
+        return max(max(0, self.real(b) - self.unindexed[b] - window) for b in range(len(self.padding)))
+
+    def submit_catch_up(self) -> None:
+        """Hand each sequence's tokens that left the window to the index worker (its copy on the
+        side stream, then inserts), while the bridge goes on; the tensors at this step are a
+        snapshot: later steps make new ones."""
+        window = self._window.window
+        parts = []
+        for b in range(len(self.padding)):
+            first = self.unindexed[b]
+            c = self.real(b) - first - window
+            if c > 0:
+                kb, vb = self.tokens(b)
+                parts.append((b, kb[:, first : first + c], vb[:, first : first + c]))
+        if parts:
+            ready = None
+            if self.k.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+            self._submit(self._catch_up_job, parts, ready)
+
+    def _catch_up_job(self, parts: list, ready: Optional[torch.cuda.Event]) -> None:
+        """Index worker: copy the tokens to the host and put them into the index."""
+        for b, k, v in parts:
+            k_host, v_host = self._transit.to_host(ready, k, v)
+            self._catch_up(b, k_host, v_host)
+            self.unindexed[b] += k.shape[1]
+
+    def hand_over(self) -> None:
+        """As if the tokens decoded from the bridge had been part of the prompt: each sequence's
+        window takes its last ``window`` tokens and the index the ones before (inserted; a
+        sequence whose prompt had no middle gets its index built from them). Nothing is resident
+        on the device yet (the layer's first job comes next), so no page goes stale."""
+        window = self._window.window
+        for b in range(len(self.padding)):
+            kb, vb = self.tokens(b)
+            first = self.unindexed[b]
+            k_rest, v_rest = kb[:, first:], vb[:, first:]  # the prompt's window, then the bridge's
+            w = min(window, k_rest.shape[1])
+            c = k_rest.shape[1] - w
+            if c:
+                self._catch_up(b, k_rest[:, :c].contiguous().cpu(), v_rest[:, :c].contiguous().cpu())
+            self._window.refill(b, k_rest[:, c:], v_rest[:, c:])
+
+
+class _Decision(Enum):
+    BRIDGE = "bridge"  # jobs still run
+    CATCH_UP = "catch up"  # the jobs are done, but more than a page waits: to the worker first
+    LEAVE = "leave"
+
+
+class Bridges:
+    """The bridges of one cache's layers, in layer order (a reuse group's leader first), and
+    the policy of when they end."""
+
+    def __init__(self) -> None:
+        self._of_layer: Dict[int, Bridge] = {}
+        # The decode position the decision was taken at, and whether that step is bridged.
+        self._decided_at = -1
+        self._bridging = False
+
+    def add(self, layer_idx: int, bridge: Bridge) -> None:
+        self._of_layer[layer_idx] = bridge
+
+    @property
+    def active(self) -> bool:
+        """Whether any layer still attends its whole cache."""
+        return bool(self._of_layer)
+
+    def of_layer(self, layer_idx: int) -> Optional[Bridge]:
+        """Layer ``layer_idx``'s bridge while it lasts."""
+        return self._of_layer.get(layer_idx)
+
+    def bridging(self, position: int, pending: Sequence[Future]) -> bool:
+        """Whether the decode step at ``position`` still attends the prompt's whole cache: while
+        any prompt or catch-up job (``pending``) is unfinished, or more than
+        :data:`CATCH_UP_ON_THE_STEP` tokens per sequence wait for the index (those go to the
+        worker now). Decided once per step, at its first IceCache layer, so that every layer
+        leaves at the same step (a layer's first insert must not race the worker still writing
+        the pages of the layers that follow its layout)."""
+        if position != self._decided_at:
+            self._decided_at = position
+            decision = self._decide(pending)
+            if decision is _Decision.CATCH_UP:
+                for bridge in self._of_layer.values():  # in layer order: a reuse group's leader first
+                    bridge.submit_catch_up()
+            self._bridging = decision is not _Decision.LEAVE
+        return self._bridging
+
+    def _decide(self, pending: Sequence[Future]) -> _Decision:
+        if not all(f.done() for f in pending):
+            return _Decision.BRIDGE
+        # A failed job: leave, and the step raises its error.
+        if not self._of_layer or any(f.exception() is not None for f in pending):
+            return _Decision.LEAVE
+        if next(iter(self._of_layer.values())).backlog() <= CATCH_UP_ON_THE_STEP:
+            return _Decision.LEAVE
+        return _Decision.CATCH_UP
+
+    def leave(self) -> None:
+        """Every bridge hands its tokens over, all at once before any layer's first job: a
+        leader's first job inserts the page its window flushes, which the layers that follow its
+        layout must not see before their own catch-up. Frees the bridges' device copies."""
+        bridges, self._of_layer = self._of_layer, {}
+        for bridge in bridges.values():
+            bridge.hand_over()
+
+    def forget(self) -> None:
+        """No bridges and no decision (a new prompt)."""
+        self._of_layer, self._decided_at, self._bridging = {}, -1, False

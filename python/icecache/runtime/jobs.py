@@ -1,0 +1,418 @@
+"""The host side of one IceCache layer: its page stores, its index (or its leader's), and the
+look-ahead jobs that insert flushed tokens, select pages and stage them for the device.
+
+A layer either leads its reuse group (:class:`LeaderJobs`: it owns the group's indexes and
+selects) or follows a leader (:class:`FollowerJobs`: it keeps its own keys in position order and
+writes them into its stores in the leader's layout). What a follower reads of its leader is
+:attr:`LeaderJobs.indexes`, :attr:`LeaderJobs.page_bound` and :attr:`LeaderJobs.built_now`; the
+last two describe the leader's current job, so within a decode step the leader starts its job
+before its followers start theirs (they come after it in layer order).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Tuple
+
+import torch
+
+from icecache import _core
+from icecache.runtime.pages import History, PageIndex, PageStore, numpy_view
+from icecache.runtime.runtime import Runtime
+from icecache.runtime.staging import Staging, StagingView
+from icecache.runtime.transfer import StepBuffers
+
+__all__ = ["FollowerJobs", "LayerJobs", "LeaderJobs"]
+
+#: One sequence's prompt middle for the index worker: ``(b, keys, values, last queries or None)``.
+Middle = Tuple[int, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+
+
+class LayerJobs:
+    """What leaders and followers share: the stores, the decode steps' host buffers (kept
+    across prompts while the shapes stay the same: pinning is slow on some hosts), the staging
+    layout, and the layer's ``_core.LookAheadLayer``, made at its first decode step.
+
+    Call :meth:`open` for each prompt before anything else.
+    """
+
+    def __init__(self, runtime: Runtime, layer_idx: int):
+        self.runtime = runtime
+        self.layer_idx = layer_idx
+        self._bufs: Optional[StepBuffers] = None
+        self._views: Optional[Tuple[StagingView, StagingView]] = None
+        self.forget()
+
+    def forget(self) -> None:
+        """The state of a layer that has seen no prompt (the buffers stay)."""
+        #: The layer's native jobs, made at its first decode step (:meth:`open_lanes`).
+        self.lookahead: Optional[_core.LookAheadLayer] = None
+        #: The number of the last job started behind a device step (look-ahead).
+        self.steps = 0
+
+    def open(self, batch: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Empty stores (and index or history) for a prompt of these shapes."""
+        cfg = self.runtime.config
+        S = cfg.page_size
+        bufs = self._bufs
+        if bufs is not None and (bufs.flush_k.shape != (batch, heads, S, dim) or bufs.flush_k.dtype != dtype):
+            self._bufs = self._views = None  # an earlier prompt's buffers, of other shapes
+        self.batch, self.heads, self.dim, self.dtype, self.device = batch, heads, dim, dtype, device
+        self.staging = Staging.for_layer(
+            batch=batch,
+            kv_heads=heads,
+            dim=dim,
+            page_size=S,
+            dtype=dtype,
+            max_pages=cfg.selected_pages,
+            capacity=cfg.device_pages,
+            page_format=cfg.page_format,
+        )
+        self.stores = [PageStore(heads, S, dim, dtype, cfg.page_format) for _ in range(batch)]
+        self._open_sequences()
+
+    # -------------------------------------------------------------- what the roles differ in
+
+    def _open_sequences(self) -> None:
+        raise NotImplementedError
+
+    def _index_middle(self, b: int, k: torch.Tensor, v: torch.Tensor, q: Optional[torch.Tensor]) -> None:
+        """Index worker: put sequence ``b``'s prompt middle ``[H_kv, m, D]`` (CPU) into the index."""
+        raise NotImplementedError
+
+    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put sequence ``b``'s tokens ``[H_kv, c, D]`` (CPU) that left the window during the
+        bridge into its index and stores, in position order after the ones indexed before."""
+        raise NotImplementedError
+
+    @property
+    def group_indexes(self) -> List[PageIndex]:
+        """The reuse group's indexes, one per sequence (the leader's)."""
+        raise NotImplementedError
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether this layer's index calibrates on the prompt's queries (``effort="auto"``)."""
+        return False
+
+    def _leader_lookahead(self) -> Optional[_core.LookAheadLayer]:
+        return None
+
+    def _reserve_first(self, b: int) -> None:
+        """Room for the first decode job's writes, before the first lending."""
+        raise NotImplementedError
+
+    def _lend(self, b: int) -> None:
+        """Lend sequence ``b``'s buffers to the native jobs (again after they grew)."""
+        raise NotImplementedError
+
+    def _reserve(self, flushed: List[int], most: int) -> None:
+        """Room for what the next job writes (``most``: the most tokens any sequence flushed)."""
+        raise NotImplementedError
+
+    def _history_lens(self) -> Optional[List[int]]:
+        return None
+
+    def _first_pages(self, flushed: List[int]) -> None:
+        """Build the index of a sequence whose prompt fit in sink and window from its first
+        flushed page, here and now (rare: short prompts), so that the job only selects; a
+        following layer writes its first pages in that layout here too. The tokens count as
+        handed to the job, which drops them from the window when applied; ``flushed[b]``
+        becomes 0 for them."""
+        raise NotImplementedError
+
+    def host_nbytes(self) -> int:
+        """Host bytes of the stores, the index or history, and the decode steps' buffers."""
+        host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
+        if self._bufs is not None:
+            host += self._bufs.nbytes()
+        return host
+
+    # -------------------------------------------------------------- prompt
+
+    def index_prompt(self, middles: List[Middle], ready: Optional[torch.cuda.Event]) -> None:
+        """Index worker: copy each sequence's middle tokens to the host and index them (and
+        make the decode steps' host buffers: pinning memory is slow on some hosts); with
+        ``effort="auto"``, calibrate each index on the sequence's last prompt queries."""
+        self.buffers()
+        for b, k, v, q in middles:
+            k_host, v_host, *q_host = self.runtime.transit.to_host(ready, k, v, *([] if q is None else [q]))
+            self._index_middle(b, k_host, v_host, q_host[0] if q_host else None)
+
+    # -------------------------------------------------------------- decode
+
+    def buffers(self) -> StepBuffers:
+        """The layer's host buffers, made on first use (the query heads are known from the
+        model config: ``runtime.query_heads``)."""
+        if self._bufs is None:
+            self._bufs = StepBuffers(
+                self.device,
+                self.batch,
+                self.heads,
+                self.runtime.query_heads,
+                self.dim,
+                self.runtime.config.page_size,
+                self.dtype,
+                self.staging.bytes,
+            )
+            self._views = None
+        return self._bufs
+
+    def _staging_views(self) -> Tuple[StagingView, StagingView]:
+        bufs = self.buffers()
+        if self._views is None:
+            self._views = (self.staging.view(bufs.staging), self.staging.view(bufs.device_staging))
+        return self._views
+
+    @property
+    def host_staging(self) -> StagingView:
+        """The regions of the host staging buffer (what the last job wrote)."""
+        return self._staging_views()[0]
+
+    @property
+    def device_staging(self) -> StagingView:
+        """The regions of its device copy (on the CPU: the host buffer itself)."""
+        return self._staging_views()[1]
+
+    def open_lanes(self, query_heads: int, scale: float) -> None:
+        """Make the native jobs and lend them every sequence's buffers (first decode step,
+        after the prompt is indexed)."""
+        cfg = self.runtime.config
+        bufs = self.buffers()
+        if bufs.queries.shape[1] != query_heads:
+            raise ValueError(
+                f"layer {self.layer_idx} got {query_heads} query heads, the model config says "
+                f"{self.runtime.query_heads}"
+            )
+        self.lookahead = _core.LookAheadLayer(
+            self.runtime.worker,
+            bufs.queries.numpy(),
+            bufs.flag.numpy(),
+            numpy_view(bufs.flush_k),
+            numpy_view(bufs.flush_v),
+            bufs.staging.numpy(),
+            kv_heads=self.heads,
+            page_size=cfg.page_size,
+            max_pages=cfg.selected_pages,
+            scale=scale,
+            effort=None,  # each KV head's own: the configured effort, or as calibrated
+            successors=cfg.successors if cfg.lookahead else 0,
+            refresh=cfg.refresh,
+            leader=self._leader_lookahead(),
+            page_format=cfg.page_format,
+            group_view=cfg.group_view,
+        )
+        for b in range(self.batch):
+            self._reserve_first(b)
+            self._lend(b)
+
+    def _native(self) -> _core.LookAheadLayer:
+        if self.lookahead is None:
+            raise RuntimeError(f"IceCache layer {self.layer_idx} has not started decoding")
+        return self.lookahead
+
+    def start(self, flushed: List[int], query: torch.Tensor, now: bool) -> None:
+        """Start the job that prepares the next step, with the tokens the window ``flushed``
+        since the last job: run now (``now``: fresh selection, or the first step; its queries
+        are copied here) or queued until the flag that the device step writes behind this
+        step's queries (look-ahead)."""
+        bufs = self.buffers()
+        if max(flushed):
+            self._first_pages(flushed)
+        most = max(flushed)
+        if most:
+            self._reserve(flushed, most)
+        lens = self._history_lens()
+        if now:
+            bufs.queries.copy_(query)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self._native().start(flushed, history_lens=lens)
+            return
+        # The device step copied the queries and wrote the step number (behind the attention).
+        self.steps += 1
+        self._native().start(flushed, step=self.steps, history_lens=lens)
+
+    def wait(self) -> _core.LookAheadOutcome:
+        """The current job's outcome, once it has finished."""
+        return self._native().wait()
+
+    def upload(self, o: _core.LookAheadOutcome, fresh: bool) -> Optional[torch.Tensor]:
+        """Copy the job's staging (its used prefix) to the device, for the device step to apply;
+        returns the selection's pool slots ``[B, H, width]`` (rank order, -1 past the count)
+        when fresh selection needs them. Without loads or clears nothing is copied: the device
+        step re-applies the last loads, which changes nothing."""
+        if not (o.loads or o.clears or fresh):
+            return None
+        self.buffers().upload(o.end, job=self.steps)
+        return self.device_staging.table(o.width) if fresh else None
+
+    def upload_ahead(self) -> None:
+        """With look-ahead on a GPU, start the copy of this layer's next staging now, on the
+        runtime's copy stream, if the job that wrote it has finished: called by the IceCache
+        layer before this one, so the copy overlaps the device's work on the layers in between
+        instead of stalling this layer's step (:meth:`StepBuffers.upload` then only waits for
+        it). Safe without further sync: the job started only after the device wrote this
+        layer's previous step number, which its step does after reading the previous staging,
+        and the next job writes the staging only after the next step number, which the device
+        writes after waiting for this copy."""
+        rt = self.runtime
+        if self.device.type != "cuda" or not rt.config.lookahead or self.lookahead is None or self.steps == 0:
+            return
+        if not self.lookahead.done():
+            return
+        try:
+            o = self.lookahead.wait()  # finished: returns at once
+        except Exception:
+            return  # the job's error is raised by this layer's own step
+        if o.loads or o.clears:
+            self.buffers().upload_ahead(o.end, self.steps, rt.copy_stream())
+            rt.stats.copies_ahead += 1
+
+    def close(self) -> None:
+        """Wait for a job still running (its buffers must outlive it) and drop its outcome,
+        then forget the prompt."""
+        if self.lookahead is not None:
+            self.runtime.worker.cancel()
+            try:
+                self.lookahead.wait()
+            except RuntimeError:
+                pass  # cancelled, or failed: forgotten either way
+            self.lookahead.clear()
+        if self._bufs is not None:
+            self._bufs.forget_ahead()
+        self.forget()
+
+
+class LeaderJobs(LayerJobs):
+    """A layer that leads its reuse group: it owns the indexes and selects pages."""
+
+    def _open_sequences(self) -> None:
+        #: One index per sequence: the page layout and device residency of the whole group.
+        self.indexes = [PageIndex(self.heads, self.runtime.config) for _ in range(self.batch)]
+        #: Pages every store of the group must have room for during the current job (the
+        #: leader's inserts; its followers write as many). Set by :meth:`start` when the job
+        #: has flushed tokens.
+        self.page_bound = 0
+        #: Per sequence: whether the current job's first pages built its index (short prompts).
+        self.built_now = [False] * self.batch
+
+    @property
+    def group_indexes(self) -> List[PageIndex]:
+        return self.indexes
+
+    @property
+    def calibrates(self) -> bool:
+        return self.runtime.config.calibrates
+
+    def _index_middle(self, b: int, k: torch.Tensor, v: torch.Tensor, q: Optional[torch.Tensor]) -> None:
+        self.indexes[b].add(k, v, self.stores[b])
+        if q is not None:
+            t = time.perf_counter()
+            self.indexes[b].calibrate(q, self.stores[b])
+            self.runtime.stats.calibrate_s += time.perf_counter() - t
+
+    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        index, store = self.indexes[b], self.stores[b]
+        if index.forest is None:
+            index.add(k, v, store)
+            return
+        used = index.forest.max_pages()
+        store.reserve(used + k.shape[1], used)  # the build left headroom
+        index.forest.insert(numpy_view(k), numpy_view(v), *store.views())
+
+    def indexed_pages(self, b: int) -> int:
+        """Pages sequence ``b``'s index uses now."""
+        forest = self.indexes[b].forest
+        return 0 if forest is None else forest.max_pages()
+
+    def _reserve_first(self, b: int) -> None:
+        self.stores[b].reserve(self.indexed_pages(b) + self.runtime.config.page_size, self.indexed_pages(b))
+
+    def _lend(self, b: int) -> None:
+        index = self.indexes[b]
+        self._native().set_lane(b, *self.stores[b].views(), forest=index.forest, resident=index.resident)
+
+    def _reserve(self, flushed: List[int], most: int) -> None:
+        self.page_bound = max(self.indexed_pages(b) for b in range(self.batch)) + most
+        for b in range(self.batch):
+            if self.stores[b].reserve(self.page_bound, self.indexed_pages(b)):
+                self._lend(b)
+
+    def _first_pages(self, flushed: List[int]) -> None:
+        self.built_now = [False] * self.batch
+        for b, m in enumerate(flushed):
+            if not (m and self.indexes[b].forest is None):
+                continue
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the flush copy
+            bufs = self.buffers()
+            self.indexes[b].add(bufs.flush_k[b, :, :m].clone(), bufs.flush_v[b, :, :m].clone(), self.stores[b])
+            self.built_now[b] = True
+            flushed[b] = 0
+            self._lend(b)
+
+    def host_nbytes(self) -> int:
+        return super().host_nbytes() + sum(ix.forest.nbytes() for ix in self.indexes if ix.forest is not None)
+
+
+class FollowerJobs(LayerJobs):
+    """A layer that reuses its leader's page layout, selection and device slots: it keeps its
+    own keys in position order and writes its stores in the leader's layout."""
+
+    def __init__(self, runtime: Runtime, layer_idx: int, leader: LeaderJobs):
+        self.leader = leader
+        super().__init__(runtime, layer_idx)
+
+    def _open_sequences(self) -> None:
+        #: Per sequence, the layer's offloaded keys and values in position order.
+        self.histories = [History(self.heads, self.dim, self.dtype) for _ in range(self.batch)]
+
+    @property
+    def group_indexes(self) -> List[PageIndex]:
+        return self.leader.indexes
+
+    def _leader_lookahead(self) -> Optional[_core.LookAheadLayer]:
+        return self.leader.lookahead
+
+    def _index_middle(self, b: int, k: torch.Tensor, v: torch.Tensor, q: Optional[torch.Tensor]) -> None:
+        self.catch_up(b, k, v)
+
+    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.histories[b].append(k, v)
+        self.leader.indexes[b].follow(self.histories[b], self.stores[b])
+
+    def _reserve_first(self, b: int) -> None:
+        self.histories[b].reserve(self.histories[b].n + self.runtime.config.page_size)
+
+    def _lend(self, b: int) -> None:
+        k_hist, v_hist = self.histories[b].views()
+        self._native().set_lane(b, *self.stores[b].views(), k_history=k_hist, v_history=v_hist)
+
+    def _reserve(self, flushed: List[int], most: int) -> None:
+        for b in range(self.batch):
+            history = self.histories[b]
+            # Both, unconditionally: either may grow.
+            grown = self.stores[b].reserve(self.leader.page_bound, self.leader.indexed_pages(b)) | history.reserve(
+                history.n + flushed[b]
+            )
+            history.n += flushed[b]
+            if grown:
+                self._lend(b)
+
+    def _history_lens(self) -> Optional[List[int]]:
+        return [h.n for h in self.histories]
+
+    def _first_pages(self, flushed: List[int]) -> None:
+        for b, m in enumerate(flushed):
+            if not (m and self.leader.built_now[b]):
+                continue
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the flush copy
+            bufs = self.buffers()
+            self.catch_up(b, bufs.flush_k[b, :, :m].clone(), bufs.flush_v[b, :, :m].clone())
+            flushed[b] = 0
+            self._lend(b)
+
+    def host_nbytes(self) -> int:
+        return super().host_nbytes() + sum(h.k.numel() * h.k.element_size() * 2 for h in self.histories)

@@ -1,0 +1,183 @@
+"""State shared by the IceCache layers of one cache: the configuration, the workers, the
+bridges and the counters."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+
+from icecache import _core
+from icecache.runtime.bridge import Bridges
+from icecache.runtime.config import IceCacheConfig
+from icecache.runtime.transfer import Transit
+
+__all__ = ["Runtime", "RuntimeStats"]
+
+
+@dataclass
+class RuntimeStats:
+    """Counters over the decode steps of all IceCache layers of one cache.
+
+    Seconds on the decode path are host wall time; on a GPU they include waiting for it when
+    :attr:`Runtime.sync_timing` is set.
+    """
+
+    #: IceCache layer steps that ran the device step (the bridged ones: :attr:`bridged_steps`).
+    layer_steps: int = 0
+    #: Taking the step's keys and values into the window (and handing a full window's oldest
+    #: page to the host).
+    update_s: float = 0.0
+    #: Waiting for the layer's host job: with look-ahead the worker's job for this step,
+    #: normally finished already; with fresh selection, or on the first step after a prompt,
+    #: the whole job, run on the spot.
+    wait_s: float = 0.0
+    #: The host-to-device copy of the step's pages and metadata and their scatter into the pool.
+    copy_s: float = 0.0
+    #: Ranking and attention.
+    attend_s: float = 0.0
+    #: The optional recall measurement (``track_recall``).
+    recall_s: float = 0.0
+    #: Decode steps waiting for the prefill pipeline (with the bridge: the wait of the step
+    #: that left it, normally none).
+    index_wait_s: float = 0.0
+    #: What the prefill pipeline spent calibrating the indexes (``effort="auto"``, on the
+    #: index worker, off the device's path: part of the time until the index is ready).
+    calibrate_s: float = 0.0
+    #: Layer steps that attended the prompt's whole cache while the indexes were being built
+    #: (``IceCacheConfig.exact_until_indexed``).
+    bridged_steps: int = 0
+    #: What the step that left the bridge spent moving the tokens decoded meanwhile into the
+    #: indexes and windows.
+    catch_up_s: float = 0.0
+    #: Host jobs inserting flushed tokens (on the worker's threads, mostly off the critical path).
+    worker_insert_s: float = 0.0
+    #: Host jobs selecting and planning.
+    worker_select_s: float = 0.0
+    #: Host jobs gathering pages into staging.
+    worker_gather_s: float = 0.0
+    #: Pages the host selected, summed over layers, sequences and KV heads.
+    pages_selected: int = 0
+    #: Pages copied to the device, summed likewise.
+    pages_loaded: int = 0
+    #: Layer steps whose copy started early, on a side stream, while the device computed the
+    #: layers before (look-ahead on a GPU, once the layer's job had finished; their ``copy_s``
+    #: is then mostly the scatter).
+    copies_ahead: int = 0
+    #: One attention recall per (layer, sequence, retrieving step) (``track_recall``).
+    recalls: List[float] = field(default_factory=list)
+    #: One share per (layer, step) of attended pages that the device's ranking took from
+    #: outside the host's top choices (``track_recall``, look-ahead).
+    reranked: List[float] = field(default_factory=list)
+
+    @property
+    def recall(self) -> float:
+        """Mean attention recall over tracked (layer, sequence, step)s; NaN if none."""
+        return float(np.mean(self.recalls)) if self.recalls else float("nan")
+
+
+class Runtime:
+    """State shared by the layers of one IceCache.
+
+    Args:
+        config: the configuration as this process runs it.
+        device: where sinks, windows and page pools live.
+        track_recall: measure each step's attention recall (:class:`RuntimeStats`).
+        query_heads: query heads of every attention layer (of this process: tensor parallelism
+            shards them).
+    """
+
+    def __init__(self, config: IceCacheConfig, device: torch.device, track_recall: bool, *, query_heads: int):
+        self.config = config
+        self.device = device
+        self.track_recall = track_recall
+        #: Query heads of every attention layer (of this process).
+        self.query_heads = query_heads
+        #: The decode steps' counters.
+        self.stats = RuntimeStats()
+        #: Synchronise the device at every timing boundary so that the breakdown in :attr:`stats`
+        #: is device time, not launch time (slower; for benchmarks).
+        self.sync_timing = False
+        #: The prefill's reused host buffer for device-to-host copies on the index worker.
+        self.transit = Transit(device)
+        #: The layers' bridges (``IceCacheConfig.exact_until_indexed``) and when they end.
+        self.bridges = Bridges()
+        self._index: Optional[ThreadPoolExecutor] = None
+        self._pending: List[Future] = []
+        self._worker: Optional[_core.LookAhead] = None
+        self._graph_pool: Optional[Any] = None
+        self._copy_stream: Optional[Any] = None
+
+    @property
+    def worker(self) -> _core.LookAhead:
+        """The look-ahead worker (a native thread and pool), made on first use."""
+        if self._worker is None:
+            # By default every core but one: the Python thread that drives the device needs one.
+            threads = self.config.threads or max(1, (os.cpu_count() or 2) - 1)
+            self._worker = _core.LookAhead(threads)
+        return self._worker
+
+    def graph_pool(self) -> Any:
+        """One CUDA graph memory pool for every layer's graphs (they replay in stream order)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
+
+    def copy_stream(self) -> Any:
+        """The side stream that early staging copies run on (``LayerJobs.upload_ahead``)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
+
+    def submit(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the index worker: one thread, jobs in submission order (so a
+        reuse group's leader is indexed before the layers that follow its layout)."""
+        if self._index is None:
+            self._index = ThreadPoolExecutor(1, thread_name_prefix="icecache-index")
+        self._pending.append(self._index.submit(fn, *args))
+
+    def wait_indexed(self, errors: bool = True) -> None:
+        """Wait until every submitted prompt is offloaded and indexed. Decoding waits for all
+        layers at once: a layer's first insert would otherwise race the worker still writing
+        the pages of the layers that follow its layout. Re-raises a failed job's error at every
+        call (``errors=False``: forget failed jobs)."""
+        if not self._pending:
+            return
+        t = time.perf_counter()
+        while self._pending:
+            try:
+                self._pending[0].result()
+            except BaseException:
+                if errors:
+                    raise
+            self._pending.pop(0)
+        self.stats.index_wait_s += time.perf_counter() - t
+
+    def bridging(self, position: int) -> bool:
+        """Whether the decode step at ``position`` still attends the prompt's whole cache
+        (:meth:`Bridges.bridging`, over the index worker's unfinished jobs)."""
+        return self.bridges.bridging(position, self._pending)
+
+    def leave_bridges(self) -> None:
+        """Every layer leaves its bridge (:meth:`Bridges.leave`). Raises a failed prompt job's
+        error first."""
+        self.wait_indexed()
+        t = time.perf_counter()
+        self.bridges.leave()
+        self.stats.catch_up_s += time.perf_counter() - t
+
+    def forget(self) -> None:
+        """Fresh counters and bridge state for a new prompt (the jobs must be finished)."""
+        self.stats = RuntimeStats()
+        self.bridges.forget()
+
+    def tick(self) -> float:
+        """A timestamp for the breakdown (after a device sync when :attr:`sync_timing`)."""
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()

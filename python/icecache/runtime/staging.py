@@ -1,0 +1,108 @@
+"""The staging buffer's regions as typed tensors, derived once from ``_core.StagingLayout``.
+
+A look-ahead job writes one staging buffer per layer (``icecache._core.StagingLayout`` documents
+the byte layout); the host copy and the device copy have the same layout. :class:`Staging` holds
+a layer's layout with the shapes it was made for, and :meth:`Staging.view` names every region of
+a buffer with its dtype, so that no caller computes an offset of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from icecache import _core
+from icecache.runtime.pages import int8_page_bytes
+
+__all__ = ["Staging", "StagingView"]
+
+
+@dataclass(frozen=True)
+class StagingView:
+    """One staging buffer (host or device), region by region."""
+
+    #: int64 ``[max_loads]``: the pool slot of each loaded page (padding: the trash slot).
+    load_idx: torch.Tensor
+    #: int64 ``[max_masks]``: the pool slots whose valid-token mask changes (padding: trash).
+    mask_idx: torch.Tensor
+    #: int32 ``[2 * B * H_kv * max_pages]``: the selection table then ``table_len``, both packed
+    #: at the job's ``width`` (see :meth:`table`).
+    tables: torch.Tensor
+    #: bool ``[max_masks, page_size]``: the new mask of each ``mask_idx`` slot.
+    masks: torch.Tensor
+    #: ``[max_loads, 2, page_size * D]`` in the KV dtype (K then V of each loaded page), or with
+    #: 8-bit pages uint8 ``[max_loads, 2, page_size * (D + 4)]`` (codes, then row scales).
+    rows: torch.Tensor
+    #: The pool slot that padded entries name (one past the pool).
+    trash: int
+    batch: int
+    kv_heads: int
+
+    def table(self, width: int) -> torch.Tensor:
+        """int32 ``[B, H_kv, width]``: the pool slot of each selected page in the host's rank
+        order, -1 past the head's count (``width``: the job's ``LookAheadOutcome.width``)."""
+        return self.tables[: self.batch * self.kv_heads * width].view(self.batch, self.kv_heads, width)
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A layer's staging layout and the shapes it was made for."""
+
+    layout: _core.StagingLayout
+    batch: int
+    kv_heads: int
+    page_size: int
+    dim: int
+    dtype: torch.dtype
+    page_format: str
+
+    @classmethod
+    def for_layer(
+        cls,
+        *,
+        batch: int,
+        kv_heads: int,
+        dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        max_pages: int,
+        capacity: int,
+        page_format: str,
+    ) -> Staging:
+        layout = _core.LookAheadLayer.staging_layout(
+            batch=batch,
+            kv_heads=kv_heads,
+            dim=dim,
+            page_size=page_size,
+            itemsize=dtype.itemsize,
+            max_pages=max_pages,
+            capacity=capacity,
+            page_format=page_format,
+        )
+        return cls(layout, batch, kv_heads, page_size, dim, dtype, page_format)
+
+    @property
+    def bytes(self) -> int:
+        """The buffer's size."""
+        return self.layout.bytes
+
+    def view(self, buffer: torch.Tensor) -> StagingView:
+        """The regions of ``buffer`` (uint8 ``[bytes]``), as views that share its memory."""
+        lay, S, D = self.layout, self.page_size, self.dim
+        n, m = lay.max_loads, lay.max_masks
+        rows = buffer[lay.rows_at : lay.bytes]
+        if self.page_format == "int8":
+            rows = rows.view(n, 2, int8_page_bytes(S, D))
+        else:
+            rows = rows.view(self.dtype).view(n, 2, S * D)
+        return StagingView(
+            load_idx=buffer[: 8 * n].view(torch.int64),
+            mask_idx=buffer[8 * n : 8 * (n + m)].view(torch.int64),
+            tables=buffer[lay.table_at : lay.mask_at].view(torch.int32),
+            masks=buffer[lay.mask_at : lay.mask_at + m * S].view(torch.bool).view(m, S),
+            rows=rows,
+            trash=lay.trash,
+            batch=self.batch,
+            kv_heads=self.kv_heads,
+        )
