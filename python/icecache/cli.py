@@ -12,6 +12,9 @@ Subcommands:
 * ``icecache eval agreement``: teacher-forced greedy agreement with the full cache (IceCache,
   Quest, StreamingLLM) on real prose and code prompts; prints and saves a markdown table and
   JSON, then a PNG plot (see :mod:`icecache.eval.agreement`).
+* ``icecache eval ruler``: RULER's synthetic tasks answered with the full cache, IceCache, Quest,
+  StreamingLLM and an exact top-k oracle at the same budgets; prints and saves a markdown table,
+  JSON with every prediction, then a PNG plot (see :mod:`icecache.eval.ruler`).
 
 Progress bars go to stderr, the table to stdout. Run as ``icecache ...`` (console script) or
 ``python -m icecache.cli ...``.
@@ -22,7 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable, List, Literal, Optional, Sequence, Set, Union
+from typing import Any, Callable, List, Literal, Optional, Sequence, Set, Tuple, Union
 
 __all__ = ["build_parser", "main"]
 
@@ -211,6 +214,124 @@ def _add_agreement_parser(evals: Any) -> None:
     ag.set_defaults(func=_cmd_eval_agreement)
 
 
+def _option_arg(text: str) -> Tuple[str, Any]:
+    """``--ice KEY=VALUE``: an IceCacheConfig field and a Python literal (a bare word stays a string)."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return key.strip(), value.strip()
+
+
+def _cmd_eval_ruler(args: argparse.Namespace) -> int:
+    from icecache.eval import ruler
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        settings = ruler.RulerSettings(args.sink, args.window, args.page_size, args.full_layers, dict(args.ice or []))
+        # Arguments are checked before the model loads; the length against its context after.
+        ruler.check_arguments(args.tasks, args.lengths, args.methods, args.budgets, settings, n_samples=args.samples)
+    except (ValueError, TypeError) as exc:
+        print(f"icecache eval ruler: error: {exc}", file=sys.stderr)
+        return 2
+    missing = ruler.ruler_missing()
+    if missing is not None:
+        print(f"icecache eval ruler: error: {missing}", file=sys.stderr)
+        return 2
+    plot = _plot_wanted(args, ruler.evaluate.plotting_missing, "ruler_vs_length.png")
+    out = Path(args.out)
+    try:
+        res = ruler.evaluate_ruler(
+            args.tasks,
+            args.lengths,
+            args.samples,
+            args.methods,
+            args.budgets,
+            settings,
+            model=args.model,
+            seed=args.seed,
+            cache_dir=args.cache_dir,
+            out_dir=out,
+            plot=False,
+            progress=not args.quiet,
+        )
+    except ValueError as exc:  # the length against the model's context, known once it is loaded
+        print(f"icecache eval ruler: error: {exc}", file=sys.stderr)
+        return 2
+    print(res.to_markdown())
+    print(f"time: {sum(res.timings.values()):.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in res.timings.items())})")
+    print(f"saved: {out / 'ruler_table.md'}, {out / 'ruler.json'}, {out / 'ruler_predictions.jsonl'}", flush=True)
+    if plot:
+        print(f"saved: {res.save_plot(out / 'ruler_vs_length.png')}")
+    return 0
+
+
+def _add_ruler_parser(evals: Any) -> None:
+    from icecache.eval.ruler.data import TASKS
+    from icecache.eval.ruler.evaluate import DEFAULT_BUDGETS, DEFAULT_LENGTHS, METHODS
+    from icecache.models import MODELS
+
+    ru = evals.add_parser(
+        "ruler",
+        help="RULER's synthetic tasks: full cache, IceCache, Quest, StreamingLLM and an oracle at the same budgets",
+        description=(
+            "RULER (13 synthetic tasks: NIAH variants, variable tracking, common/frequent words, QA), generated "
+            "by nvidia-long-context-eval's generators with its task arguments (cached in ~/.cache/icecache/ruler) "
+            "and scored with its metrics. Per sample one exact prefill, then greedy decoding with each method: the "
+            "full cache, IceCache, Quest (page min/max bound over all KV), StreamingLLM (sink + recent, the rest "
+            "evicted), and an oracle (exact top-B attention). Budget B = tokens in the softmax per (layer, KV "
+            "head, step) = sink + window + retrieved. Needs the ruler extra: pip install 'icecache[ruler]'."
+        ),
+    )
+    ru.add_argument("--model", default="smollm2", choices=sorted(MODELS), help="model (default smollm2)")
+    ru.add_argument("--tasks", nargs="+", default=list(TASKS), help="tasks (default: all 13): " + ", ".join(TASKS))
+    ru.add_argument(
+        "--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="lengths in tokens (default 4096)"
+    )
+    ru.add_argument("--samples", type=int, default=2, help="samples per task and length (default 2)")
+    ru.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        help="methods (default: all of " + ", ".join(METHODS) + ")",
+    )
+    ru.add_argument(
+        "--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS), help="token budgets (default 256 1024)"
+    )
+    ru.add_argument("--sink", type=int, default=16, help="sink tokens, every method (default 16)")
+    ru.add_argument("--window", type=int, default=32, help="window tokens, IceCache and Quest (default 32)")
+    ru.add_argument("--page-size", type=int, default=16, help="page size, IceCache and Quest (default 16)")
+    ru.add_argument(
+        "--full-layers", type=int, default=2, help="leading full-attention layers that keep the full cache (default 2)"
+    )
+    ru.add_argument(
+        "--ice",
+        type=_option_arg,
+        action="append",
+        metavar="KEY=VALUE",
+        help="an IceCacheConfig field for IceCache, e.g. --ice budget_mode=fixed --ice effort=auto (repeatable; "
+        "default: its defaults, with exact_until_indexed=False)",
+    )
+    ru.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ru.add_argument("--seed", type=int, default=42, help="the generators' random seed (default 42, RULER's)")
+    ru.add_argument("--cache-dir", default=None, help="sample cache (default ~/.cache/icecache/ruler)")
+    ru.add_argument(
+        "--out",
+        default=".",
+        help="directory for ruler_table.md, ruler.json, ruler_predictions.jsonl, ruler_vs_length.png (default: .)",
+    )
+    ru.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    ru.add_argument("--quiet", action="store_true", help="no progress bar")
+    ru.set_defaults(func=_cmd_eval_ruler)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``icecache`` command (subcommand tree)."""
     parser = argparse.ArgumentParser(prog="icecache", description="IceCache: KV-cache retrieval for long-context LLMs.")
@@ -283,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--quiet", action="store_true", help="no progress bars")
     rc.set_defaults(func=_cmd_eval_recall)
     _add_agreement_parser(evals)
+    _add_ruler_parser(evals)
     return parser
 
 

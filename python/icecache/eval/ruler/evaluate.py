@@ -1,0 +1,354 @@
+"""RULER with every KV-cache method (see :mod:`icecache.eval.ruler`)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from icecache._util import progress_bar
+from icecache.eval.recall.report import plotting_missing
+from icecache.eval.ruler.data import TASKS, Sample, generate_samples, ruler_missing, score_task, task_spec
+from icecache.eval.ruler.report import Prediction, RulerResult
+
+__all__ = [
+    "DEFAULT_BUDGETS",
+    "DEFAULT_LENGTHS",
+    "METHODS",
+    "RulerSettings",
+    "check_arguments",
+    "context_length",
+    "evaluate_ruler",
+    "evaluate_samples",
+]
+
+#: Methods evaluated by default: the full cache, IceCache, the baselines
+#: (:mod:`icecache.eval.ruler.methods`) and the oracle.
+METHODS: Tuple[str, ...] = ("full", "icecache", "quest", "streamingllm", "oracle")
+#: Budgets evaluated by default.
+DEFAULT_BUDGETS: Tuple[int, ...] = (256, 1024)
+#: Lengths evaluated by default.
+DEFAULT_LENGTHS: Tuple[int, ...] = (4096,)
+
+
+class RulerSettings:
+    """The budget accounting shared by every method, and IceCache's own options.
+
+    Attributes:
+        sink, window, page_size, full_layers: as in :class:`icecache.IceCacheConfig` (defaults
+            16, 32, 16, 2: IceCache's).
+        icecache: further :class:`icecache.IceCacheConfig` fields for IceCache (e.g.
+            ``{"budget_mode": "fixed"}``); ``exact_until_indexed`` defaults to ``False`` here, so
+            that every decode step retrieves (the method is measured, not the bridge).
+    """
+
+    def __init__(
+        self,
+        sink: int = 16,
+        window: int = 32,
+        page_size: int = 16,
+        full_layers: int = 2,
+        icecache: Optional[Mapping[str, Any]] = None,
+    ):
+        self.sink, self.window, self.page_size, self.full_layers = sink, window, page_size, full_layers
+        self.icecache: Dict[str, Any] = dict(icecache or {})
+        bad = sorted(set(self.icecache) & {"budget", "sink", "window", "page_size", "full_layers"})
+        if bad:
+            raise ValueError(f"IceCache options {bad} are shared by every method: set them as RulerSettings fields")
+
+    def ice_config(self, budget: int) -> Any:
+        """IceCache's configuration at ``budget`` (validated by :class:`icecache.IceCacheConfig`)."""
+        from icecache.runtime import IceCacheConfig
+
+        options = dict(exact_until_indexed=False, **self.icecache)
+        return IceCacheConfig(
+            budget=budget,
+            sink=self.sink,
+            window=self.window,
+            page_size=self.page_size,
+            full_layers=self.full_layers,
+            **options,
+        )
+
+
+def context_length(model: Any) -> Optional[int]:
+    """The model's context (``max_position_embeddings`` of its text config), if it says."""
+    value = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def check_arguments(
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    methods: Sequence[str],
+    budgets: Sequence[int],
+    settings: RulerSettings,
+    *,
+    context: Optional[int] = None,
+    n_samples: int = 1,
+) -> None:
+    """Check an evaluation's arguments before any work.
+
+    Raises:
+        ValueError: an unknown task or method, no tasks, lengths or methods, a length below 1
+            or longer than ``context`` (the model's), a budget below ``sink + window``, fewer
+            than one sample, or an invalid IceCache option.
+    """
+    if not tasks:
+        raise ValueError("no tasks")
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"unknown RULER task {t!r}; known: {', '.join(TASKS)}")
+    if not methods:
+        raise ValueError("no methods")
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; known: {', '.join(METHODS)}")
+    if not lengths:
+        raise ValueError("no lengths")
+    for n in lengths:
+        if n < 1:
+            raise ValueError(f"lengths must be >= 1, got {n}")
+        if context is not None and n > context:
+            raise ValueError(f"length {n} is longer than the model's context of {context} tokens")
+    if n_samples < 1:
+        raise ValueError(f"samples per task must be >= 1, got {n_samples}")
+    floor = settings.sink + settings.window
+    if any(m != "full" for m in methods):
+        if not budgets:
+            raise ValueError("no budgets")
+        for b in budgets:
+            if b < floor:
+                raise ValueError(
+                    f"budget {b} is below sink + window = {settings.sink} + {settings.window} = {floor}: every "
+                    "method attends at least the sink and the window"
+                )
+    if "icecache" in methods:
+        for b in budgets:
+            settings.ice_config(b)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> List[int]:
+    """Token ids that end an answer: the generation config's end tokens and the tokenizer's."""
+    ids: List[int] = []
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        ids += [int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
+    return sorted(set(ids))
+
+
+def _greedy(model: Any, cache: Any, first: int, max_tokens: int, eos: Sequence[int]) -> List[int]:
+    """Greedy decoding with ``cache`` from ``first``, the token the exact prefill chose (it is
+    the answer's first token): one-token steps until an end token or ``max_tokens`` in all."""
+    import torch
+
+    out = [first]
+    with torch.inference_mode():
+        while len(out) < max_tokens and out[-1] not in eos:
+            logits = model(torch.tensor([[out[-1]]], device=model.device), cache=cache, logits_to_keep=1).logits
+            out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+def _method_cache(method: str, budget: Optional[int], model: Any, prefix: Any, ids: Any, settings: RulerSettings):
+    """The method's cache holding the prompt: made from the shared prefill ``prefix`` (or, for
+    IceCache with ``effort="auto"``, which calibrates on the prompt's queries, by its own
+    prefill of the same tokens: exact attention either way)."""
+    import torch
+
+    if method == "full":
+        return copy.deepcopy(prefix)
+    assert budget is not None
+    if method == "icecache":
+        from icecache.runtime import IceCache
+
+        config = settings.ice_config(budget)
+        if not config.calibrates:
+            return IceCache.from_prefilled(config, model, prefix)
+        cache = IceCache(config, model)
+        with torch.inference_mode():
+            model(ids, cache=cache, logits_to_keep=1)
+        return cache
+    from icecache.eval.ruler.methods import BaselineConfig, BudgetCache
+
+    config = BaselineConfig(method, budget, settings.sink, settings.window, settings.page_size, settings.full_layers)
+    return BudgetCache.from_prefilled(config, model, prefix)
+
+
+def evaluate_samples(
+    model: Any,
+    tokenizer: Any,
+    samples: Mapping[Tuple[str, int], Sequence[Sample]],
+    methods: Sequence[str] = METHODS,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    settings: Optional[RulerSettings] = None,
+    *,
+    model_name: str = "model",
+    progress: bool = True,
+    on_prediction: Optional[Callable[[RulerResult, Prediction], None]] = None,
+) -> RulerResult:
+    """Every method's answers to ``samples`` (per (task, length)), scored by RULER's metrics.
+
+    Per sample: one exact prefill of the prompt into a full cache; its last position's argmax
+    is the answer's first token for every method (as ``model.generate`` does with any cache,
+    IceCache's included: prefill attention is exact). Then each method decodes greedily from a
+    cache holding that prefill (``full``: a copy; ``icecache``: :meth:`icecache.IceCache.from_prefilled`
+    with :meth:`RulerSettings.ice_config`; the others :class:`~icecache.eval.ruler.methods.BudgetCache`)
+    up to the task's answer allowance or an end token.
+
+    Args:
+        on_prediction: called after each prediction with the results so far (e.g. to save it).
+
+    Raises:
+        ValueError: bad arguments (:func:`check_arguments`), before any work.
+    """
+    import torch
+
+    settings = settings or RulerSettings()
+    budgets = sorted({int(b) for b in budgets})
+    tasks = list(dict.fromkeys(t for t, _ in samples))
+    lengths = sorted({n for _, n in samples})
+    check_arguments(tasks, lengths, methods, budgets, settings, context=context_length(model))
+    result = RulerResult(
+        model=model_name,
+        tasks=tasks,
+        lengths=lengths,
+        methods=list(methods),
+        budgets=budgets,
+        sink=settings.sink,
+        window=settings.window,
+        page_size=settings.page_size,
+        full_layers=settings.full_layers,
+    )
+    runs = result.runs()
+    result.info["icecache_options"] = dict(exact_until_indexed=False, **settings.icecache)
+    from transformers import DynamicCache
+
+    from icecache.runtime import enable
+
+    enable(model)
+    eos = _eos_ids(model, tokenizer)
+    total = sum(len(s) for s in samples.values()) * len(runs)
+    bar = progress_bar(total=total, desc="ruler", enable=progress)
+    t_prefill = t_decode = 0.0
+    try:
+        for (task, length), group in samples.items():
+            allowance = task_spec(task).tokens_to_generate
+            for sample in group:
+                bar.set_postfix_str(f"{task} {length} #{sample.index}")
+                ids = tokenizer(sample.input, add_special_tokens=not sample.chat, return_tensors="pt").input_ids
+                ids = ids.to(model.device)
+                t0 = time.perf_counter()
+                prefix = DynamicCache(config=model.config)
+                with torch.inference_mode():
+                    first = int(model(ids, cache=prefix, logits_to_keep=1).logits[0, -1].argmax())
+                t_prefill += time.perf_counter() - t0
+                for method, budget in runs:
+                    t1 = time.perf_counter()
+                    cache = _method_cache(method, budget, model, prefix, ids, settings)
+                    tokens = _greedy(model, cache, first, allowance, eos)
+                    del cache
+                    seconds = time.perf_counter() - t1
+                    t_decode += seconds
+                    text = tokenizer.decode(tokens, skip_special_tokens=True)
+                    (score,) = score_task(task, [text], [sample.outputs])
+                    pred = Prediction(
+                        task, sample.index, length, int(ids.shape[1]), method, budget, text,
+                        list(sample.outputs), score, len(tokens), seconds,
+                    )  # fmt: skip
+                    result.predictions.append(pred)
+                    if on_prediction is not None:
+                        on_prediction(result, pred)
+                    bar.update(1)
+                del prefix
+    finally:
+        bar.close()
+        result.timings.update(prefill_s=t_prefill, decode_s=t_decode)
+    return result
+
+
+def evaluate_ruler(
+    tasks: Sequence[str] = TASKS,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    n_samples: int = 2,
+    methods: Sequence[str] = METHODS,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    settings: Optional[RulerSettings] = None,
+    *,
+    model: str = "smollm2",
+    seed: int = 42,
+    cache_dir: Union[str, os.PathLike, None] = None,
+    out_dir: Union[str, os.PathLike, None] = None,
+    plot: bool = True,
+    progress: bool = True,
+) -> RulerResult:
+    """RULER on a model :func:`icecache.models.load_model` loads: ``n_samples`` samples per task
+    and length (:func:`~icecache.eval.ruler.data.generate_samples`, cached), then
+    :func:`evaluate_samples`.
+
+    With ``out_dir``, every prediction is appended to ``ruler_predictions.jsonl`` as it is made,
+    and ``ruler_table.md`` and ``ruler.json`` are rewritten after each sample; at the end (with
+    ``plot``) ``ruler_vs_length.png``.
+
+    Raises:
+        ValueError: bad arguments (:func:`check_arguments`; the length against the model's
+            context once it is loaded), before the slow work.
+        ImportError: the ``ruler`` extra is missing, or the plot's matplotlib is.
+    """
+    from icecache import models
+
+    settings = settings or RulerSettings()
+    check_arguments(list(tasks), list(lengths), list(methods), list(budgets), settings, n_samples=n_samples)
+    missing = ruler_missing()
+    if missing is not None:
+        raise ImportError(missing)
+    if out_dir is not None and plot and plotting_missing() is not None:
+        raise ImportError(f"the RULER plot needs what is missing: {plotting_missing()}; or pass plot=False")
+    t0 = time.perf_counter()
+    lm, tokenizer = models.load_model(model)
+    check_arguments(list(tasks), list(lengths), list(methods), list(budgets), settings, context=context_length(lm))
+    t_load = time.perf_counter() - t0
+
+    def note(text: str) -> None:
+        if progress:
+            print(text, file=sys.stderr, flush=True)
+
+    samples: Dict[Tuple[str, int], List[Sample]] = {}
+    t0 = time.perf_counter()
+    for task in tasks:
+        for length in lengths:
+            samples[(task, length)] = generate_samples(
+                task, length, tokenizer, n_samples, seed=seed, cache_dir=cache_dir, log=note
+            )
+    t_samples = time.perf_counter() - t0
+
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ruler_predictions.jsonl").write_text("")
+
+    def save(res: RulerResult, pred: Prediction) -> None:
+        if out is None:
+            return
+        with open(out / "ruler_predictions.jsonl", "a") as f:
+            f.write(json.dumps(asdict(pred)) + "\n")
+        if pred.method == res.runs()[-1][0] and pred.budget == res.runs()[-1][1]:  # a sample's last run
+            res.save_table(out / "ruler_table.md")
+            res.save_json(out / "ruler.json")
+
+    res = evaluate_samples(
+        lm, tokenizer, samples, methods, budgets, settings, model_name=model, progress=progress, on_prediction=save
+    )
+    res.timings.update(load_s=t_load, samples_s=t_samples)
+    res.info.update(seed=seed, samples_per_task=n_samples, context=context_length(lm))
+    if out is not None:
+        res.save_table(out / "ruler_table.md")
+        res.save_json(out / "ruler.json")
+        if plot:
+            res.save_plot(out / "ruler_vs_length.png")
+    return res
