@@ -5,8 +5,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use icecache::lookahead::{
-    Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, StagingLayout,
-    Work,
+    Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, Work,
 };
 use icecache::pages::{int8, PageFormat};
 use icecache::{Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
@@ -110,18 +109,25 @@ fn follower_job(g: Geometry, staging: &mut [u8], lane: FollowerLane, leader: &Ar
 }
 
 fn staging_bytes(g: &Geometry, batch: usize, width: usize, capacity: usize) -> usize {
-    StagingLayout::new(g, batch, width, capacity).bytes
+    g.staging_layout(batch, width, capacity).bytes
 }
 
 /// Reads the staging layout of `Outcome` back (one sequence; `capacity` device slots per head).
 fn meta(o: &Outcome, staging: &[u8], capacity: usize) -> Meta {
-    let l = StagingLayout::new(&geometry(), 1, o.width, capacity);
-    let i64s: Vec<i64> =
-        staging[..l.table_at].chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect();
-    let i32s: Vec<i32> =
-        staging[l.table_at..l.mask_at].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect();
-    let (n, c, t) = (o.loads, o.clears, H * o.width);
-    let (loads, masks) = i64s.split_at(l.max_loads);
+    let l = geometry().staging_layout(1, o.width, capacity);
+    let i64s = |r: std::ops::Range<usize>| -> Vec<i64> {
+        staging[r].chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect()
+    };
+    let i32s = |r: std::ops::Range<usize>| -> Vec<i32> {
+        staging[r].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect()
+    };
+    let (n, c) = (o.loads, o.clears);
+    let loads = &i64s(l.load_idx_at..l.mask_idx_at)[..];
+    let masks = &i64s(l.mask_idx_at..l.table_at)[..];
+    assert_eq!((loads.len(), masks.len()), (l.max_loads, l.max_masks));
+    let (table, table_len) = (i32s(l.table_at..l.table_len_at), i32s(l.table_len_at..l.mask_at));
+    assert_eq!((table.len(), table_len.len()), (l.table_entries, l.table_entries));
+    assert_eq!(l.table_entries, H * o.width);
     let trash = l.trash as i64;
     assert!(loads[n..].iter().chain(&masks[n + c..]).all(|&x| x == trash), "padding names the trash slot");
     assert_eq!(loads[..n], masks[..n], "the mask rows start with the loaded slots");
@@ -138,8 +144,8 @@ fn meta(o: &Outcome, staging: &[u8], capacity: usize) -> Meta {
         load_slot: loads[..n].iter().map(|&x| (x % cap) as i32).collect(),
         load_len: lens[..n].to_vec(),
         clear_bh: masks[n..n + c].iter().map(|&x| (x / cap) as i32).collect(),
-        table: i32s[..t].to_vec(),
-        table_len: i32s[t..].to_vec(),
+        table,
+        table_len,
         rows_at: l.rows_at,
     }
 }
@@ -168,6 +174,29 @@ fn check_rows(l: &Layer, o: &Outcome, m: &Meta, staging: &[u8]) {
             f.page_tokens(head, pg).unwrap().len() as i32 == m.load_len[i] && l.k_store[at..at + S * D] == floats[..]
         });
         assert!(found, "staged row {i} is no page of head {head}");
+    }
+}
+
+/// The regions of a staging layout follow each other in order, each as large as its entries.
+#[test]
+fn staging_regions_are_contiguous_and_sized() {
+    for format in [PageFormat::Native, PageFormat::Int8] {
+        let g = Geometry { format, ..geometry() };
+        let (batch, width, capacity) = (3, 5, 7);
+        let l = g.staging_layout(batch, width, capacity);
+        let lanes = batch * H;
+        assert_eq!(
+            (l.max_loads, l.max_masks, l.table_entries),
+            (lanes * width, lanes * (width + capacity), lanes * width)
+        );
+        assert_eq!(l.load_idx_at, 0);
+        assert_eq!(l.mask_idx_at, l.load_idx_at + 8 * l.max_loads, "int64 load_idx");
+        assert_eq!(l.table_at, l.mask_idx_at + 8 * l.max_masks, "int64 mask_idx");
+        assert_eq!(l.table_len_at, l.table_at + 4 * l.table_entries, "int32 table");
+        assert_eq!(l.mask_at, l.table_len_at + 4 * l.table_entries, "int32 table_len");
+        assert!(l.rows_at >= l.mask_at + l.max_masks * S && l.rows_at % icecache::lookahead::ROW_ALIGN == 0);
+        assert_eq!(l.bytes, l.rows_at + 2 * l.max_loads * g.page_bytes());
+        assert_eq!(l.trash, lanes * capacity);
     }
 }
 
@@ -362,7 +391,7 @@ fn int8_leader_and_follower_stage_quantised_pages() {
     let mut new_k = rows(H * S, 77);
     let mut new_v = new_k.clone();
     let (mut fnk, mut fnv) = (new_k.clone(), new_v.clone());
-    let bytes = StagingLayout::new(&g, 1, width, 40).bytes;
+    let bytes = g.staging_layout(1, width, 40).bytes;
     let (mut ls, mut fs) = (vec![0u8; bytes], vec![0u8; bytes]);
     let lead = worker
         .submit(Job {
@@ -402,7 +431,7 @@ fn int8_leader_and_follower_stage_quantised_pages() {
     let fo = worker.submit(follower_job(g, &mut fs, lane, &lead)).unwrap().wait().unwrap();
     let lo = lead.wait().unwrap();
     assert!(lo.loads > 0);
-    assert_eq!(lo.end, StagingLayout::new(&g, 1, width, 40).rows_at + 2 * lo.loads * pb);
+    assert_eq!(lo.end, g.staging_layout(1, width, 40).rows_at + 2 * lo.loads * pb);
     assert!(fk == ks && fv == vs, "the follower's 8-bit pages differ from the leader's");
     assert_eq!(fs[..fo.end], ls[..lo.end], "same keys, same plan: same staging");
     // Each staged page is a page of the store, and its rows dequantise near the tokens' keys.
@@ -415,7 +444,7 @@ fn int8_leader_and_follower_stage_quantised_pages() {
             &all[1][(h * S + t - n) * D..(h * S + t - n + 1) * D]
         }
     };
-    let rows_at = StagingLayout::new(&g, 1, width, 40).rows_at;
+    let rows_at = g.staging_layout(1, width, 40).rows_at;
     for i in 0..lo.loads {
         let staged = &ls[rows_at + 2 * i * pb..rows_at + (2 * i + 1) * pb];
         assert_eq!(staged, &ls[rows_at + (2 * i + 1) * pb..rows_at + (2 * i + 2) * pb], "K = V here");

@@ -406,22 +406,32 @@ class StagingLayout:
     padded entries name the device pool's ``trash`` slot, so that the device applies any step
     with the same operations and only the used prefix (``LookAheadOutcome.end``) is copied:
 
-    - from 0: int64 ``load_idx [max_loads]``, the device slot of each loaded page as
-      ``(b * H_kv + head) * capacity + slot``, then int64 ``mask_idx [max_masks]``, the slots whose
-      valid-token mask changes (the loaded ones, then the slots cleared because their page changed
-      and was not selected again);
-    - from ``table_at``: int32 ``table [B*H_kv*width]``, the device slot of each selected page in
-      the host's rank order (-1 past the head's count), then int32 ``table_len``, its valid tokens;
+    - from ``load_idx_at`` (0): int64 ``load_idx [max_loads]``, the device slot of each loaded page
+      as ``(b * H_kv + head) * capacity + slot``;
+    - from ``mask_idx_at``: int64 ``mask_idx [max_masks]``, the slots whose valid-token mask
+      changes (the loaded ones, then the slots cleared because their page changed and was not
+      selected again);
+    - from ``table_at``: int32 ``table [table_entries]`` (``[B, H_kv, width]``), the device slot of
+      each selected page in the host's rank order (-1 past the head's count);
+    - from ``table_len_at``: int32 ``table_len [table_entries]``, the valid tokens of each;
     - from ``mask_at``: ``[max_masks, page_size]`` bytes, 1 where the slot holds a token;
     - from ``rows_at``: each loaded page's K then V, as the stores hold them: ``[max_loads, 2,
       page_size, d]`` elements, or with ``page_format="int8"`` ``[max_loads, 2, page_size * (d +
       4)]`` bytes (each page's int8 codes, then its float32 row scales).
+
+    Offsets are in bytes, entries in native byte order; ``mask_idx_at == 8 * max_loads`` and each
+    region ends where the next begins, up to ``mask_at`` (``rows_at`` is aligned to 64 bytes).
     """
 
     max_loads: int
     max_masks: int
+    #: Entries of ``table`` and of ``table_len``: ``batch * kv_heads * max_pages``.
+    table_entries: int
     trash: int
+    load_idx_at: int
+    mask_idx_at: int
     table_at: int
+    table_len_at: int
     mask_at: int
     rows_at: int
     bytes: int

@@ -20,7 +20,7 @@ use super::head_forest::PyHeadForest;
 use super::resident_pages::PyResidentPages;
 use crate::lookahead::{
     Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, StagingLayout,
-    Work,
+    StagingShape, Work,
 };
 use crate::pages::PageFormat;
 use crate::select::SelectParams;
@@ -138,11 +138,33 @@ impl PyOutcome {
 pub struct PyStagingLayout {
     max_loads: usize,
     max_masks: usize,
+    table_entries: usize,
     trash: usize,
+    load_idx_at: usize,
+    mask_idx_at: usize,
     table_at: usize,
+    table_len_at: usize,
     mask_at: usize,
     rows_at: usize,
     bytes: usize,
+}
+
+impl From<StagingLayout> for PyStagingLayout {
+    fn from(l: StagingLayout) -> PyStagingLayout {
+        PyStagingLayout {
+            max_loads: l.max_loads,
+            max_masks: l.max_masks,
+            table_entries: l.table_entries,
+            trash: l.trash,
+            load_idx_at: l.load_idx_at,
+            mask_idx_at: l.mask_idx_at,
+            table_at: l.table_at,
+            table_len_at: l.table_len_at,
+            mask_at: l.mask_at,
+            rows_at: l.rows_at,
+            bytes: l.bytes,
+        }
+    }
 }
 
 /// One sequence's buffers.
@@ -569,22 +591,12 @@ impl PyLookAheadLayer {
     ) -> PyResult<PyStagingLayout> {
         entry(|| {
             let format = PageFormat::parse(page_format).map_err(to_py)?;
-            let elem = match itemsize {
-                4 => Elem::F32,
-                2 => Elem::F16,
-                _ => return Err(PyValueError::new_err(format!("itemsize must be 2 or 4, got {itemsize}"))),
-            };
-            let g = Geometry { heads: kv_heads, query_heads: kv_heads, dim, page_size, elem, format };
-            let l = StagingLayout::new(&g, batch, max_pages, capacity);
-            Ok(PyStagingLayout {
-                max_loads: l.max_loads,
-                max_masks: l.max_masks,
-                trash: l.trash,
-                table_at: l.table_at,
-                mask_at: l.mask_at,
-                rows_at: l.rows_at,
-                bytes: l.bytes,
-            })
+            if itemsize != 2 && itemsize != 4 {
+                return Err(PyValueError::new_err(format!("itemsize must be 2 or 4, got {itemsize}")));
+            }
+            let page_bytes = format.page_bytes(page_size, dim, itemsize);
+            let shape = StagingShape { batch, heads: kv_heads, width: max_pages, capacity, page_size, page_bytes };
+            Ok(PyStagingLayout::from(StagingLayout::new(&shape)))
         })
     }
 }
