@@ -99,7 +99,7 @@ pub(super) fn leader_lane(
     Ok(LeaderWork { plan, insert_s, select_s: secs(t) })
 }
 
-fn poisoned() -> Error {
+pub(super) fn poisoned() -> Error {
     Error::Invalid("an earlier failure left this layer's index unusable; reset the cache".into())
 }
 

@@ -20,14 +20,17 @@
 //!
 //! The stages, one module each: [`hostbuf`] (the lent memory), [`lanes`] (one sequence's
 //! insert, selection and plan, or a follower's rewrite), [`staging`] (the staging buffer's
-//! layout and its gather); this module dispatches and runs jobs.
+//! layout and its gather), [`layer`] (one layer's jobs step after step: its lanes, the pairing
+//! with a leader's jobs, when to select anew); this module dispatches and runs jobs.
 
 mod hostbuf;
 mod lanes;
+mod layer;
 mod staging;
 
 pub use hostbuf::HostBuf;
 use lanes::{follow_lane, leader_lane, LeaderWork};
+pub use layer::{KeepAlive, Lane, LaneSource, LayerBuffers, LayerJobs};
 pub use staging::{StagingLayout, StagingShape, ROW_ALIGN};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
