@@ -8,7 +8,7 @@ use icecache::lookahead::{
     Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, Lane, LaneSource, LayerBuffers, LayerJobs, LeaderLane,
     LookAhead, Outcome, Ready, Work,
 };
-use icecache::pages::{int8, PageFormat};
+use icecache::pages::{int8, PageFormat, Stores};
 use icecache::{Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -50,7 +50,7 @@ fn layer(n: usize, p: usize, capacity: usize) -> Layer {
     let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S, PageFormat::Native).unwrap();
     let mut k_store = vec![0f32; H * p * S * D];
     let mut v_store = vec![0f32; H * p * S * D];
-    f.write_pages(&keys, &keys, &mut k_store, &mut v_store).unwrap();
+    f.write_pages(&keys, &keys, Stores::Native(&mut k_store, &mut v_store)).unwrap();
     Layer {
         forest: Arc::new(RwLock::new(f)),
         resident: Arc::new(RwLock::new(ResidentPages::new(H, capacity).unwrap())),
@@ -376,7 +376,7 @@ fn int8_leader_and_follower_stage_quantised_pages() {
     let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S, PageFormat::Int8).unwrap();
     let p = 200;
     let (mut ks, mut vs) = (vec![0u8; H * p * pb], vec![0u8; H * p * pb]);
-    f.write_pages_int8(&keys, &keys, &mut ks, &mut vs).unwrap();
+    f.write_pages(&keys, &keys, Stores::Int8(&mut ks, &mut vs)).unwrap();
     let forest = Arc::new(RwLock::new(f));
     let resident = Arc::new(RwLock::new(ResidentPages::new(H, 40).unwrap()));
     let cap = n + 64;

@@ -4,12 +4,12 @@
 
 use std::time::Instant;
 
-use half::{bf16, f16};
+use half::f16;
 
 use super::{secs, Elem, Flush, FollowerLane, Geometry, HostBuf, LanePlan, LeaderLane};
 use crate::error::{ensure, Error, Result};
 use crate::load::LoadPlan;
-use crate::pages::{int8, HeadForest, PageFormat};
+use crate::pages::{self, HeadForest, PageFormat, Stores};
 use crate::select::SelectParams;
 
 /// What a leader's lane did: its plan, and the seconds spent inserting and selecting.
@@ -117,7 +117,15 @@ fn check_store_dims(g: &Geometry, forest: &HeadForest) -> Result<()> {
     Ok(())
 }
 
-/// `forest.insert` for the job's element type; returns the changed pages per head.
+/// A lane's page stores as the job's page format holds them, with elements `T`.
+fn stores_of<'a, T: pages::Elem>(g: &Geometry, k_store: &'a HostBuf, v_store: &'a HostBuf) -> Result<Stores<'a, T>> {
+    Ok(match g.format {
+        PageFormat::Native => Stores::Native(k_store.slice_mut::<T>("k_store")?, v_store.slice_mut::<T>("v_store")?),
+        PageFormat::Int8 => Stores::Int8(k_store.slice_mut::<u8>("k_store")?, v_store.slice_mut::<u8>("v_store")?),
+    })
+}
+
+/// `forest.insert` of a lane's flush; returns the changed pages per head.
 fn insert_flush(
     g: &Geometry,
     forest: &mut HeadForest,
@@ -125,54 +133,59 @@ fn insert_flush(
     k_store: HostBuf,
     v_store: HostBuf,
 ) -> Result<Vec<Vec<u32>>> {
-    let want = g.heads * flush.tokens * g.dim;
-    macro_rules! typed {
-        ($t:ty) => {{
-            let k = flush.keys.slice::<$t>("flushed keys")?;
-            let v = flush.values.slice::<$t>("flushed values")?;
-            ensure!(
-                k.len() == want && v.len() == want,
-                "flushed keys/values must be [{}, {}, {}]",
-                g.heads,
-                flush.tokens,
-                g.dim
-            );
-            match g.format {
-                PageFormat::Native => {
-                    forest.insert(k, v, k_store.slice_mut::<$t>("k_store")?, v_store.slice_mut::<$t>("v_store")?)
-                }
-                PageFormat::Int8 => {
-                    forest.insert_int8(k, v, k_store.slice_mut::<u8>("k_store")?, v_store.slice_mut::<u8>("v_store")?)
-                }
-            }
-        }};
-    }
     match g.elem {
-        Elem::F32 => typed!(f32),
-        Elem::F16 => typed!(f16),
-        Elem::Bf16 => typed!(u16),
+        Elem::F32 => insert_flush_as::<f32>(g, forest, flush, k_store, v_store),
+        Elem::F16 => insert_flush_as::<f16>(g, forest, flush, k_store, v_store),
+        Elem::Bf16 => insert_flush_as::<u16>(g, forest, flush, k_store, v_store),
     }
 }
 
-/// A follower sequence: appends the flush to its history and rewrites the pages its leader's
-/// insert changed, from the history (as bytes: every element type alike; 8-bit pages quantise
-/// the rows).
-pub(super) fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()> {
-    let rb = g.row_bytes();
-    let hk = lane.k_history.slice_mut::<u8>("k_history")?;
-    let hv = lane.v_history.slice_mut::<u8>("v_history")?;
+fn insert_flush_as<T: pages::Elem>(
+    g: &Geometry,
+    forest: &mut HeadForest,
+    flush: &Flush,
+    k_store: HostBuf,
+    v_store: HostBuf,
+) -> Result<Vec<Vec<u32>>> {
+    let want = g.heads * flush.tokens * g.dim;
+    let k = flush.keys.slice::<T>("flushed keys")?;
+    let v = flush.values.slice::<T>("flushed values")?;
     ensure!(
-        hk.len() == hv.len() && hk.len() % (g.heads * rb) == 0,
+        k.len() == want && v.len() == want,
+        "flushed keys/values must be [{}, {}, {}]",
+        g.heads,
+        flush.tokens,
+        g.dim
+    );
+    forest.insert(k, v, stores_of::<T>(g, &k_store, &v_store)?)
+}
+
+/// A follower sequence: appends the flush to its history and rewrites the pages its leader's
+/// insert changed, from the history (8-bit pages quantise the rows).
+pub(super) fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()> {
+    match g.elem {
+        Elem::F32 => follow_lane_as::<f32>(g, lane, lead),
+        Elem::F16 => follow_lane_as::<f16>(g, lane, lead),
+        Elem::Bf16 => follow_lane_as::<u16>(g, lane, lead),
+    }
+}
+
+fn follow_lane_as<T: pages::Elem>(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) -> Result<()> {
+    let d = g.dim;
+    let hk = lane.k_history.slice_mut::<T>("k_history")?;
+    let hv = lane.v_history.slice_mut::<T>("v_history")?;
+    ensure!(
+        hk.len() == hv.len() && hk.len() % (g.heads * d) == 0,
         "histories must both be [{}, n, {}]",
         g.heads,
         g.dim
     );
-    let cap = hk.len() / (g.heads * rb);
+    let cap = hk.len() / (g.heads * d);
     ensure!(lane.history_len <= cap, "history_len {} exceeds the history's {cap} tokens", lane.history_len);
     if let Some(f) = &lane.flush {
-        let (k, v) = (f.keys.slice::<u8>("flushed keys")?, f.values.slice::<u8>("flushed values")?);
+        let (k, v) = (f.keys.slice::<T>("flushed keys")?, f.values.slice::<T>("flushed values")?);
         ensure!(
-            k.len() == g.heads * f.tokens * rb && v.len() == k.len(),
+            k.len() == g.heads * f.tokens * d && v.len() == k.len(),
             "flushed keys/values must be [{}, {}, {}]",
             g.heads,
             f.tokens,
@@ -186,59 +199,33 @@ pub(super) fn follow_lane(g: &Geometry, lane: &FollowerLane, lead: &LanePlan) ->
         );
         let at = lane.history_len - f.tokens;
         for head in 0..g.heads {
-            let dst = (head * cap + at) * rb;
-            let src = head * f.tokens * rb;
-            hk[dst..dst + f.tokens * rb].copy_from_slice(&k[src..src + f.tokens * rb]);
-            hv[dst..dst + f.tokens * rb].copy_from_slice(&v[src..src + f.tokens * rb]);
+            let dst = (head * cap + at) * d;
+            let src = head * f.tokens * d;
+            hk[dst..dst + f.tokens * d].copy_from_slice(&k[src..src + f.tokens * d]);
+            hv[dst..dst + f.tokens * d].copy_from_slice(&v[src..src + f.tokens * d]);
         }
     }
-    let ks = lane.k_store.slice_mut::<u8>("k_store")?;
-    let vs = lane.v_store.slice_mut::<u8>("v_store")?;
     let pb = g.page_bytes();
     ensure!(
-        ks.len() == vs.len() && ks.len() % (g.heads * pb) == 0,
+        lane.k_store.len() == lane.v_store.len() && lane.k_store.len().is_multiple_of(g.heads * pb),
         "stores must both be [{}, P] pages of {pb} bytes",
         g.heads
     );
-    let p = ks.len() / (g.heads * pb);
+    let p = lane.k_store.len() / (g.heads * pb);
+    let mut stores = stores_of::<T>(g, &lane.k_store, &lane.v_store)?;
     for (head, pages) in lead.changed.iter().enumerate() {
         for (page, tokens) in pages {
             ensure!((*page as usize) < p, "page {page} beyond the store's {p} pages");
-            let at = (head * p + *page as usize) * pb;
-            let (kp, vp) = (&mut ks[at..at + pb], &mut vs[at..at + pb]);
-            kp.fill(0);
-            vp.fill(0);
-            ensure!(tokens.len() <= g.page_size, "page {page} holds more than {} tokens", g.page_size);
-            for (slot, &t) in tokens.iter().enumerate() {
-                ensure!((t as usize) < lane.history_len, "token {t} is not in the history ({})", lane.history_len);
-                let src = (head * cap + t as usize) * rb;
-                let (k, v) = (&hk[src..src + rb], &hv[src..src + rb]);
-                match g.format {
-                    PageFormat::Native => {
-                        kp[slot * rb..(slot + 1) * rb].copy_from_slice(k);
-                        vp[slot * rb..(slot + 1) * rb].copy_from_slice(v);
-                    }
-                    PageFormat::Int8 => {
-                        for (page, row) in [(&mut *kp, k), (&mut *vp, v)] {
-                            let row = row_f32(g.elem, row);
-                            ensure!(row.iter().all(|x| x.is_finite()), "8-bit pages hold finite values only");
-                            int8::put_row(page, slot, &row, g.page_size);
-                        }
-                    }
-                }
-            }
+            let rows = tokens
+                .iter()
+                .map(|&t| {
+                    ensure!((t as usize) < lane.history_len, "token {t} is not in the history ({})", lane.history_len);
+                    let src = (head * cap + t as usize) * d;
+                    Ok((&hk[src..src + d], &hv[src..src + d]))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            stores.rewrite_page(head * p + *page as usize, &rows, g.page_size, d)?;
         }
     }
     Ok(())
-}
-
-/// A history row's bytes as f32 values.
-fn row_f32(elem: Elem, bytes: &[u8]) -> Vec<f32> {
-    match elem {
-        Elem::F32 => bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        Elem::F16 => bytes.chunks_exact(2).map(|b| f16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32()).collect(),
-        Elem::Bf16 => {
-            bytes.chunks_exact(2).map(|b| bf16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32()).collect()
-        }
-    }
 }

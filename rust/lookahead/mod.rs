@@ -79,11 +79,6 @@ pub struct Geometry {
 }
 
 impl Geometry {
-    /// Bytes of one token row of a flush or history.
-    fn row_bytes(&self) -> usize {
-        self.dim * self.elem.size()
-    }
-
     /// Bytes of one page of K (or V) in the stores and in staging.
     pub fn page_bytes(&self) -> usize {
         self.format.page_bytes(self.page_size, self.dim, self.elem.size())

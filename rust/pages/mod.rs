@@ -94,6 +94,57 @@ impl PageFormat {
     }
 }
 
+/// A forest's K and V page stores (module docs), in one of the [`PageFormat`]s.
+pub enum Stores<'a, T> {
+    /// `[H_kv, P, page_size, d]` elements of the tokens' type.
+    Native(&'a mut [T], &'a mut [T]),
+    /// `[H_kv, P, int8::page_bytes(page_size, d)]` bytes.
+    Int8(&'a mut [u8], &'a mut [u8]),
+}
+
+impl<T: Elem> Stores<'_, T> {
+    pub fn format(&self) -> PageFormat {
+        match self {
+            Stores::Native(..) => PageFormat::Native,
+            Stores::Int8(..) => PageFormat::Int8,
+        }
+    }
+
+    /// Rewrites page `at` (counted over every head's pages: `head · P + page`) of both stores
+    /// from `rows`, the K and V rows of its tokens in slot order; the slots past them are
+    /// zeroed. 8-bit stores quantise the rows, which must be finite.
+    pub fn rewrite_page(&mut self, at: usize, rows: &[(&[T], &[T])], page_size: usize, dim: usize) -> Result<()> {
+        fn rewrite<T: Elem, F: Format<T>>(
+            k: &mut [F::Cell],
+            v: &mut [F::Cell],
+            at: usize,
+            rows: &[(&[T], &[T])],
+            (s, d): (usize, usize),
+        ) -> Result<()> {
+            let pl = F::page_len(s, d);
+            ensure!(k.len() == v.len() && (at + 1) * pl <= k.len(), "page {at} beyond the stores");
+            ensure!(rows.len() <= s, "a page holds at most {s} tokens, not {}", rows.len());
+            let (kp, vp) = (&mut k[at * pl..(at + 1) * pl], &mut v[at * pl..(at + 1) * pl]);
+            F::clear_from(kp, 0, s, d);
+            F::clear_from(vp, 0, s, d);
+            for (slot, (kr, vr)) in rows.iter().enumerate() {
+                ensure!(kr.len() == d && vr.len() == d, "rows must have {d} elements");
+                for (page, row) in [(&mut *kp, kr), (&mut *vp, vr)] {
+                    if F::FINITE {
+                        ensure!(row.iter().all(|x| x.to_f32().is_finite()), "8-bit pages hold finite values only");
+                    }
+                    F::put(page, slot, row, s);
+                }
+            }
+            Ok(())
+        }
+        match self {
+            Stores::Native(k, v) => rewrite::<T, Native>(k, v, at, rows, (page_size, dim)),
+            Stores::Int8(k, v) => rewrite::<T, Int8>(k, v, at, rows, (page_size, dim)),
+        }
+    }
+}
+
 /// How page stores hold rows of `T`: each page is `page_len(s, d)` cells.
 pub(crate) trait Format<T: Elem> {
     type Cell: Copy + Default + Send + Sync;
@@ -108,8 +159,6 @@ pub(crate) trait Format<T: Elem> {
     fn copy(src: &[Self::Cell], from: usize, dst: &mut [Self::Cell], to: usize, s: usize, d: usize);
     /// Empties rows `from..s` of `page`.
     fn clear_from(page: &mut [Self::Cell], from: usize, s: usize, d: usize);
-    /// The format's name in [`PageFormat`].
-    const FORMAT: PageFormat;
     /// The store as int8 K rows, when it holds them (8-bit stores).
     fn codes(store: &[Self::Cell]) -> Option<&[u8]>;
 }
@@ -119,7 +168,6 @@ pub(crate) struct Native;
 
 impl<T: Elem> Format<T> for Native {
     type Cell = T;
-    const FORMAT: PageFormat = PageFormat::Native;
     const FINITE: bool = false;
     fn page_len(s: usize, d: usize) -> usize {
         s * d
@@ -147,7 +195,6 @@ pub(crate) struct Int8;
 
 impl<T: Elem> Format<T> for Int8 {
     type Cell = u8;
-    const FORMAT: PageFormat = PageFormat::Int8;
     const FINITE: bool = true;
     fn page_len(s: usize, d: usize) -> usize {
         int8::page_bytes(s, d)
@@ -227,7 +274,7 @@ impl HeadForest {
     /// for page stores of `format`. `cfg.metric` must be inner product (attention); `cfg.seed`
     /// seeds head `h` with `seed + h`. With 16-bit stores (`Native`) each head keeps its keys'
     /// int8 rows itself; with 8-bit stores the K store holds them, and the forest reads them
-    /// there once `write_pages_int8` has written it.
+    /// there once `write_pages` has written it.
     pub fn build(
         keys: KeyData<'_>,
         num_heads: usize,
@@ -309,7 +356,7 @@ impl HeadForest {
     }
 
     /// Each head's int8 K rows: its own (16-bit stores, `k_store` `None`), or the 8-bit
-    /// `k_store`'s (`[H_kv, P, page bytes]`, the store `write_pages_int8` wrote).
+    /// `k_store`'s (`[H_kv, P, page bytes]`, the store `write_pages` wrote).
     pub(crate) fn codes<'a>(&'a self, k_store: Option<&'a [u8]>) -> Result<Vec<int8::PageCodes<'a>>> {
         match (self.format, k_store) {
             (PageFormat::Native, None) => Ok(self.heads.iter().map(|hp| hp.codes(None)).collect()),
@@ -436,37 +483,32 @@ impl HeadForest {
         Ok(p)
     }
 
-    /// `Err` unless this forest's stores are of format `F`.
-    fn check_format<T: Elem, F: Format<T>>(&self) -> Result<()> {
+    /// `Err` unless `stores` are of this forest's format.
+    fn check_format<T: Elem>(&self, stores: &Stores<'_, T>) -> Result<()> {
         ensure!(
-            F::FORMAT == self.format,
+            stores.format() == self.format,
             "this forest was built for {} page stores, not {}",
             self.format.name(),
-            F::FORMAT.name()
+            stores.format().name()
         );
         Ok(())
     }
 
     /// Writes K and V of every token (`[H_kv, n, d]`, position order) into the page stores;
     /// slots of the forest's pages that no token fills are zeroed, pages past them (the
-    /// stores' room for inserts) are left as they are. A forest built for 16-bit stores.
-    pub fn write_pages<T: Elem>(&self, k_src: &[T], v_src: &[T], k_store: &mut [T], v_store: &mut [T]) -> Result<()> {
-        self.write_pages_as::<T, Native>(k_src, v_src, k_store, v_store)
-    }
-
-    /// [`HeadForest::write_pages`] into 8-bit stores (`[H_kv, P, int8::page_bytes(page_size,
-    /// d)]` bytes): each row quantised to int8 codes and a scale. Values must be finite. A forest
-    /// built for 8-bit stores; from then on it reads its keys from this K store.
-    pub fn write_pages_int8<T: Elem>(
-        &self,
-        k_src: &[T],
-        v_src: &[T],
-        k_store: &mut [u8],
-        v_store: &mut [u8],
-    ) -> Result<()> {
-        self.write_pages_as::<T, Int8>(k_src, v_src, k_store, v_store)?;
-        self.written.store(true, Ordering::Release);
-        Ok(())
+    /// stores' room for inserts) are left as they are. The stores must be of the forest's
+    /// format; 8-bit stores quantise each row to int8 codes and a scale (values must be
+    /// finite), and the forest reads its keys from this K store from then on.
+    pub fn write_pages<T: Elem>(&self, k_src: &[T], v_src: &[T], stores: Stores<'_, T>) -> Result<()> {
+        self.check_format(&stores)?;
+        match stores {
+            Stores::Native(k_store, v_store) => self.write_pages_as::<T, Native>(k_src, v_src, k_store, v_store),
+            Stores::Int8(k_store, v_store) => {
+                self.write_pages_as::<T, Int8>(k_src, v_src, k_store, v_store)?;
+                self.written.store(true, Ordering::Release);
+                Ok(())
+            }
+        }
     }
 
     fn write_pages_as<T: Elem, F: Format<T>>(
@@ -476,7 +518,6 @@ impl HeadForest {
         k_store: &mut [F::Cell],
         v_store: &mut [F::Cell],
     ) -> Result<()> {
-        self.check_format::<T, F>()?;
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
         for (src, what) in [(k_src, "k_src"), (v_src, "v_src")] {
             ensure!(src.len() == h * self.len * d, "{what} must be [{h}, {}, {d}]", self.len);
@@ -504,33 +545,21 @@ impl HeadForest {
 
     /// Appends `m` tokens per head (`keys`/`values` `[H_kv, m, d]`) at positions `len..len + m`:
     /// each joins the tree and a page of its cell (`HeadPages::insert`). Writes their K/V, and
-    /// those of tokens a split moves, into the stores (`P >= max_pages() + m`). Returns the
-    /// changed pages per head. A forest built for 16-bit stores.
-    pub fn insert<T: Elem>(
-        &mut self,
-        keys: &[T],
-        values: &[T],
-        k_store: &mut [T],
-        v_store: &mut [T],
-    ) -> Result<Vec<Vec<u32>>> {
-        self.insert_as::<T, Native>(keys, values, k_store, v_store)
-    }
-
-    /// [`HeadForest::insert`] into 8-bit stores (see [`HeadForest::write_pages_int8`]): new
-    /// tokens are quantised; tokens a split moves keep their codes and scales. Values must be
-    /// finite. A forest built for 8-bit stores, after `write_pages_int8`.
-    pub fn insert_int8<T: Elem>(
-        &mut self,
-        keys: &[T],
-        values: &[T],
-        k_store: &mut [u8],
-        v_store: &mut [u8],
-    ) -> Result<Vec<Vec<u32>>> {
-        ensure!(
-            self.written.load(Ordering::Acquire),
-            "the 8-bit page stores have not been written yet (write_pages first)"
-        );
-        self.insert_as::<T, Int8>(keys, values, k_store, v_store)
+    /// those of tokens a split moves, into the stores (`P >= max_pages() + m`, the forest's
+    /// format; 8-bit stores after `write_pages`: new tokens are quantised, tokens a split moves
+    /// keep their codes and scales, values must be finite). Returns the changed pages per head.
+    pub fn insert<T: Elem>(&mut self, keys: &[T], values: &[T], stores: Stores<'_, T>) -> Result<Vec<Vec<u32>>> {
+        self.check_format(&stores)?;
+        match stores {
+            Stores::Native(k_store, v_store) => self.insert_as::<T, Native>(keys, values, k_store, v_store),
+            Stores::Int8(k_store, v_store) => {
+                ensure!(
+                    self.written.load(Ordering::Acquire),
+                    "the 8-bit page stores have not been written yet (write_pages first)"
+                );
+                self.insert_as::<T, Int8>(keys, values, k_store, v_store)
+            }
+        }
     }
 
     fn insert_as<T: Elem, F: Format<T>>(
@@ -540,7 +569,6 @@ impl HeadForest {
         k_store: &mut [F::Cell],
         v_store: &mut [F::Cell],
     ) -> Result<Vec<Vec<u32>>> {
-        self.check_format::<T, F>()?;
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
         ensure!(keys.len().is_multiple_of(h * d) && !keys.is_empty(), "keys must be [{h}, m, {d}] with m >= 1");
         ensure!(values.len() == keys.len(), "values must have the shape of keys");
