@@ -93,11 +93,11 @@ fn keys(heads: usize, n: usize, dim: usize, seed: u64) -> Vec<f32> {
     out
 }
 
-fn forest(k: &[f32], heads: usize, dim: usize, page_size: usize, seed: u64) -> HeadForest {
+fn forest(k: KeyData<'_>, heads: usize, dim: usize, page_size: usize, seed: u64) -> HeadForest {
     let mut cfg = Config::new(dim, Metric::InnerProduct);
     cfg.seed = Some(seed);
     cfg.promotion = vec![0.06, 0.2];
-    HeadForest::build(KeyData::F32(k), heads, cfg, page_size, PageFormat::Int8).unwrap()
+    HeadForest::build(k, heads, cfg, page_size, PageFormat::Int8).unwrap()
 }
 
 /// Every token's slot holds the codes and scale of quantising its row (`src` `[heads, len,
@@ -150,7 +150,8 @@ proptest! {
         let v32: Vec<f32> = k32.iter().map(|x| 0.5 - 2.0 * x).collect();
         let (k, v) = (bf16s(&k32), bf16s(&v32));
         let as_bits = |x: &[bf16]| -> Vec<u16> { x.iter().map(|b| b.to_bits()).collect() };
-        let mut f = forest(&head_rows(&k32, h, total, d, 0, n), h, d, page_size, seed);
+        // Built on the keys it stores: a forest's stores take its own keys only.
+        let mut f = forest(KeyData::Bf16(&head_rows(&k, h, total, d, 0, n)), h, d, page_size, seed);
         let pages = f.max_pages() + 400;
         let pb = int8::page_bytes(page_size, d);
         let (mut ks, mut vs) = (vec![0xAAu8; h * pages * pb], vec![0xAAu8; h * pages * pb]);
@@ -177,7 +178,7 @@ proptest! {
 fn int8_writes_refuse_non_finite_values_and_change_nothing() {
     let (h, n, d, s) = (2, 60, 8, 8);
     let k = keys(h, n, d, 3);
-    let mut f = forest(&k, h, d, s, 3);
+    let mut f = forest(KeyData::F32(&k), h, d, s, 3);
     let pb = int8::page_bytes(s, d);
     let pages = f.max_pages() + 4;
     let (mut ks, mut vs) = (vec![0u8; h * pages * pb], vec![0u8; h * pages * pb]);
@@ -234,14 +235,21 @@ fn selections_from_the_k_store_equal_those_from_the_forests_own_rows() {
         }
     };
     compare(&own, &int8, &bk);
-    // It reads them there: negated codes turn its choices around; and it keeps no rows itself.
+    // It reads them there: negated codes (past each head's page 0, which marks the store as
+    // the forest's) turn its choices around; and it keeps no rows itself.
     let mut negated = bk.clone();
-    for page in negated.chunks_exact_mut(pb) {
-        page[..s * d].iter_mut().for_each(|c| *c = (*c as i8).wrapping_neg() as u8);
+    for (i, page) in negated.chunks_exact_mut(pb).enumerate() {
+        if i % pages != 0 {
+            page[..s * d].iter_mut().for_each(|c| *c = (*c as i8).wrapping_neg() as u8);
+        }
     }
     let p = SelectParams { max_pages: 6, scale: 0.3, effort: Some(1.0), exact: true, successors: 0, group_view: false };
     let q = &queries[..h * g * d];
     assert_ne!(int8.select(q, p, Some(&bk)).unwrap(), int8.select(q, p, Some(&negated)).unwrap());
+    // A store whose page 0 is not the forest's is not its store.
+    negated[..s * d].iter_mut().for_each(|c| *c = (*c as i8).wrapping_neg() as u8);
+    let err = int8.select(q, p, Some(&negated)).unwrap_err().to_string();
+    assert!(err.contains("does not hold this forest's pages"), "{err}");
     assert!(int8.nbytes() + h * n * (d + 4) <= own.nbytes(), "{} vs {}", int8.nbytes(), own.nbytes());
     // The 8-bit forest refuses to select without its K store, the other with one.
     let p = SelectParams { max_pages: 6, scale: 0.3, effort: None, exact: false, successors: 0, group_view: false };

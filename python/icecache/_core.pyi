@@ -292,7 +292,15 @@ class HeadForest:
         holds its rows' int8 codes (``page_size * d`` bytes), then one float32 scale per row
         (``max |x| / 127``; a row is ``code * scale`` within ``scale / 2``). Values must then be
         finite (``ValueError``). The K store written is where the forest reads its keys from
-        afterwards. (A reuse group's followers write their own stores in the leader's layout.)"""
+        afterwards.
+
+        ``k_src`` must be the keys the forest was built on (plus those ``insert`` added), in the
+        same dtype, and finite: other keys or NaN/inf are a ``ValueError`` and nothing is
+        written. One exception: once the forest's own keys were written, a layer that reuses its
+        page layout (a reuse group's follower) may write its own keys into its own stores, which
+        then must not be the forest's (they are told apart by a checksum of each head's page 0).
+        The check reads every key once more (measured: about as long again as the write of
+        16-bit pages)."""
     def select(
         self,
         queries: npt.ArrayLike,
@@ -311,7 +319,8 @@ class HeadForest:
         (each query head's softmax with ``scale``, default ``1/sqrt(d)``, over the keys its search
         scores, summed over the group); the rest is -1. Keys are scored from their int8 rows
         against the int8 query; ``exact`` scores every key instead of searching. ``k_store``: the
-        8-bit K store the forest's keys live in (``page_format="int8"``; ``None`` otherwise).
+        8-bit K store the forest's keys live in (``page_format="int8"``; ``None`` otherwise): the
+        one ``write_pages`` wrote them to, or a copy of it (``ValueError`` otherwise).
         ``effort``: the search effort of every head; ``None``: each head's own (``efforts``, as
         ``calibrate`` set them). ``successors``: the weight of each query head's ``successors``
         heaviest keys also goes to the page holding the next position (for selecting a step
@@ -349,8 +358,9 @@ class HeadForest:
     ) -> List[npt.NDArray[np.int32]]:
         """Appends ``m`` tokens per head (``[H_kv, m, d]``), writes their K/V (and any tokens a page
         split moves) into the stores, and returns per head the pages whose contents changed.
-        The stores need ``P >= max_pages() + m``. 8-bit stores as for :meth:`write_pages`: new
-        tokens are quantised, moved tokens keep their codes and scales. Each new key joins the
+        The stores need ``P >= max_pages() + m`` and must be those :meth:`write_pages` wrote the
+        forest's keys to (or a copy; ``ValueError`` otherwise, nothing inserted). 8-bit stores as
+        for :meth:`write_pages`: new tokens are quantised, moved tokens keep their codes and scales. Each new key joins the
         leaf cell nearest it (or, with the first promotion ratio, opens one of its own) and the
         nearest page of that cell with room; when all are full, the nearest page splits in two."""
 

@@ -7,12 +7,13 @@
 //! or, for 8-bit pages, `[H_kv, P, int8::page_bytes(page_size, d)]` bytes (see [`int8`]); owned
 //! by the caller, this module writes them but never allocates them.
 
+mod fingerprint;
 mod head;
 pub mod int8;
 mod split;
 
 use std::ops::RangeInclusive;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
 use half::{bf16, f16};
@@ -27,35 +28,59 @@ pub(crate) use head::HeadPages;
 pub const PAGE_SIZES: std::ops::RangeInclusive<usize> = 8..=64;
 
 /// An element of K/V tokens: f32, f16, or bf16 carried as its u16 bits.
-pub trait Elem: Copy + Default + Send + Sync + 'static {
+pub trait Elem: bytemuck::Pod + Default + Send + Sync {
+    /// The exponent bits: all set in NaN and infinities only.
+    const EXP_MASK: u32;
     fn keys(s: &[Self]) -> KeyData<'_>;
     fn to_f32(self) -> f32;
+    fn bits(self) -> u32;
 }
 
 impl Elem for f32 {
+    const EXP_MASK: u32 = 0x7f80_0000;
     fn keys(s: &[f32]) -> KeyData<'_> {
         KeyData::F32(s)
     }
     fn to_f32(self) -> f32 {
         self
     }
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
 }
 
 impl Elem for f16 {
+    const EXP_MASK: u32 = 0x7c00;
     fn keys(s: &[f16]) -> KeyData<'_> {
         KeyData::F16(s)
     }
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
 }
 
 impl Elem for u16 {
+    const EXP_MASK: u32 = 0x7f80;
     fn keys(s: &[u16]) -> KeyData<'_> {
         KeyData::Bf16(half::slice::HalfBitsSliceExt::reinterpret_cast::<bf16>(s))
     }
     fn to_f32(self) -> f32 {
         bf16::from_bits(self).to_f32()
+    }
+    fn bits(self) -> u32 {
+        self as u32
+    }
+}
+
+/// The key sum (`fingerprint`) of `keys` at positions `start..`, in their own element type.
+fn key_sum_of(keys: KeyData<'_>, d: usize, start: usize) -> Option<u64> {
+    match keys {
+        KeyData::F32(s) => fingerprint::key_sum(s, d, start),
+        KeyData::F16(s) => fingerprint::key_sum(s, d, start),
+        KeyData::Bf16(s) => fingerprint::key_sum(half::slice::HalfFloatSliceExt::reinterpret_cast(s), d, start),
     }
 }
 
@@ -147,7 +172,7 @@ impl<T: Elem> Stores<'_, T> {
 
 /// How page stores hold rows of `T`: each page is `page_len(s, d)` cells.
 pub(crate) trait Format<T: Elem> {
-    type Cell: Copy + Default + Send + Sync;
+    type Cell: bytemuck::Pod + Default + Send + Sync;
     /// Only finite rows can be stored.
     const FINITE: bool;
     fn page_len(s: usize, d: usize) -> usize;
@@ -242,8 +267,11 @@ pub struct HeadForest {
     format: PageFormat,
     /// `Config::rerank`: calibration measures the field of view of `rerank · k` tokens.
     rerank: usize,
-    /// 8-bit forests read their keys from the caller's K store: whether one was written.
-    written: AtomicBool,
+    /// Per head, the key sum of its keys (`fingerprint`).
+    key_sums: Vec<u64>,
+    /// Per head, the mark of the K store that holds this forest's keys (`fingerprint`); `None`
+    /// until `write_pages` has written them.
+    store_marks: Mutex<Option<Vec<u32>>>,
 }
 
 /// Hands the memory a build freed back to the OS. Each head's build frees a float32 copy of its
@@ -298,25 +326,30 @@ impl HeadForest {
         let heads = (0..num_heads)
             .into_par_iter()
             .map(|h| {
-                let head_keys = keys.part(h * n * d..(h + 1) * n * d).to_f32_vec();
+                let part = keys.part(h * n * d..(h + 1) * n * d);
+                let head_keys = part.to_f32_vec();
                 check_rows(&head_keys, d, "keys").map_err(|e| match e {
                     Error::Invalid(why) => Error::Invalid(format!("{why} (head {h})")),
                     other => other,
                 })?;
+                // Finite: checked just above.
+                let key_sum = key_sum_of(part, d, 0).unwrap_or_default();
                 let mut c = cfg.clone();
                 c.seed = cfg.seed.map(|s| s.wrapping_add(h as u64));
-                HeadPages::build(head_keys, &c, page_size, format == PageFormat::Native)
+                Ok((HeadPages::build(head_keys, &c, page_size, format == PageFormat::Native)?, key_sum))
             })
             .collect::<Result<Vec<_>>>();
         release_free_memory();
+        let (heads, key_sums) = heads?.into_iter().unzip();
         Ok(HeadForest {
-            heads: heads?,
+            heads,
             page_size,
             dim: d,
             len: n,
             format,
             rerank: cfg.rerank,
-            written: AtomicBool::new(false),
+            key_sums,
+            store_marks: Mutex::new(None),
         })
     }
 
@@ -367,11 +400,8 @@ impl HeadForest {
                 Err(Error::Invalid("a forest of 8-bit pages reads its keys from the K store: pass k_store".into()))
             }
             (PageFormat::Int8, Some(store)) => {
-                ensure!(
-                    self.written.load(Ordering::Acquire),
-                    "the 8-bit page stores have not been written yet (write_pages first)"
-                );
                 let p = self.store_pages::<f32, Int8>(store.len(), "k_store", self.max_pages())?;
+                self.check_own_store(store, p, int8::page_bytes(self.page_size, self.dim))?;
                 let per_head = p * int8::page_bytes(self.page_size, self.dim);
                 Ok(self.heads.iter().zip(store.chunks_exact(per_head)).map(|(hp, s)| hp.codes(Some(s))).collect())
             }
@@ -483,6 +513,26 @@ impl HeadForest {
         Ok(p)
     }
 
+    fn marks(&self) -> MutexGuard<'_, Option<Vec<u32>>> {
+        // Nothing panics while holding it; a poisoned lock still guards a consistent value.
+        self.store_marks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `Err` unless `k_store` (`[H_kv, p]` pages of `page_len` cells) holds this forest's keys:
+    /// it is the K store `write_pages` wrote them to (and inserts went to), or a copy of it.
+    fn check_own_store<C: bytemuck::Pod>(&self, k_store: &[C], p: usize, page_len: usize) -> Result<()> {
+        match &*self.marks() {
+            None => Err(Error::Invalid("the page stores have not been written yet (write_pages first)".into())),
+            Some(marks) => {
+                ensure!(
+                    *marks == store_marks(k_store, p, page_len),
+                    "k_store does not hold this forest's pages: pass the K store write_pages wrote (or a copy)"
+                );
+                Ok(())
+            }
+        }
+    }
+
     /// `Err` unless `stores` are of this forest's format.
     fn check_format<T: Elem>(&self, stores: &Stores<'_, T>) -> Result<()> {
         ensure!(
@@ -499,15 +549,15 @@ impl HeadForest {
     /// stores' room for inserts) are left as they are. The stores must be of the forest's
     /// format; 8-bit stores quantise each row to int8 codes and a scale (values must be
     /// finite), and the forest reads its keys from this K store from then on.
+    ///
+    /// `k_src` must be finite and the forest's own keys (its key sums, `fingerprint`): those
+    /// stores become the forest's. Other keys only go into other stores once the forest's own
+    /// were written: a layer that reuses this layout writes its own keys into its own stores.
     pub fn write_pages<T: Elem>(&self, k_src: &[T], v_src: &[T], stores: Stores<'_, T>) -> Result<()> {
         self.check_format(&stores)?;
         match stores {
             Stores::Native(k_store, v_store) => self.write_pages_as::<T, Native>(k_src, v_src, k_store, v_store),
-            Stores::Int8(k_store, v_store) => {
-                self.write_pages_as::<T, Int8>(k_src, v_src, k_store, v_store)?;
-                self.written.store(true, Ordering::Release);
-                Ok(())
-            }
+            Stores::Int8(k_store, v_store) => self.write_pages_as::<T, Int8>(k_src, v_src, k_store, v_store),
         }
     }
 
@@ -529,6 +579,20 @@ impl HeadForest {
         let p = self.store_pages::<T, F>(k_store.len(), "k_store", need)?;
         ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
         let (n, pl) = (self.len, F::page_len(s, d));
+        let sums = k_src.par_chunks(n * d).map(|head| fingerprint::key_sum(head, d, 0)).collect::<Option<Vec<_>>>();
+        let Some(sums) = sums else {
+            return Err(Error::Invalid("k_src: keys must be finite (no NaN or infinity)".into()));
+        };
+        let own_keys = sums == self.key_sums;
+        if !own_keys {
+            // Another layer's keys, in this forest's layout, go into that layer's stores only.
+            let marks = self.marks();
+            ensure!(
+                marks.as_ref().is_some_and(|m| *m != store_marks(k_store, p, pl)),
+                "k_src holds other keys than this forest was built on: only the stores of a layer that \
+                 reuses its page layout take other keys, after this forest's own were written"
+            );
+        }
         for (src, store) in [(k_src, &mut *k_store), (v_src, &mut *v_store)] {
             store.par_chunks_mut(p * pl).zip(src.par_chunks(n * d)).zip(&self.heads).for_each(|((st, sr), hp)| {
                 st[..hp.num_pages() * pl].par_chunks_mut(pl).enumerate().for_each(|(page, block)| {
@@ -540,25 +604,23 @@ impl HeadForest {
                 })
             });
         }
+        if own_keys {
+            *self.marks() = Some(store_marks(k_store, p, pl));
+        }
         Ok(())
     }
 
     /// Appends `m` tokens per head (`keys`/`values` `[H_kv, m, d]`) at positions `len..len + m`:
     /// each joins the tree and a page of its cell (`HeadPages::insert`). Writes their K/V, and
     /// those of tokens a split moves, into the stores (`P >= max_pages() + m`, the forest's
-    /// format; 8-bit stores after `write_pages`: new tokens are quantised, tokens a split moves
-    /// keep their codes and scales, values must be finite). Returns the changed pages per head.
+    /// format, the ones `write_pages` wrote the forest's keys to or a copy; 8-bit stores: new
+    /// tokens are quantised, tokens a split moves keep their codes and scales, values must be
+    /// finite). Returns the changed pages per head.
     pub fn insert<T: Elem>(&mut self, keys: &[T], values: &[T], stores: Stores<'_, T>) -> Result<Vec<Vec<u32>>> {
         self.check_format(&stores)?;
         match stores {
             Stores::Native(k_store, v_store) => self.insert_as::<T, Native>(keys, values, k_store, v_store),
-            Stores::Int8(k_store, v_store) => {
-                ensure!(
-                    self.written.load(Ordering::Acquire),
-                    "the 8-bit page stores have not been written yet (write_pages first)"
-                );
-                self.insert_as::<T, Int8>(keys, values, k_store, v_store)
-            }
+            Stores::Int8(k_store, v_store) => self.insert_as::<T, Int8>(keys, values, k_store, v_store),
         }
     }
 
@@ -580,9 +642,10 @@ impl HeadForest {
         if F::FINITE {
             check_finite(values, "values")?;
         }
-        let start = self.len;
         let pl = F::page_len(s, d);
-        let changed = self
+        self.check_own_store(k_store, p, pl)?;
+        let start = self.len;
+        let inserted = self
             .heads
             .par_iter_mut()
             .zip(k_store.par_chunks_mut(p * pl))
@@ -605,12 +668,27 @@ impl HeadForest {
                 }
                 changed.sort_unstable();
                 changed.dedup();
-                Ok(changed)
+                // Finite: `check_rows` above.
+                Ok((changed, fingerprint::key_sum(&keys[hi * m * d..(hi + 1) * m * d], d, start).unwrap_or_default()))
             })
             .collect::<Result<Vec<_>>>()?;
         self.len += m;
+        let (changed, sums): (Vec<_>, Vec<_>) = inserted.into_iter().unzip();
+        for (sum, new) in self.key_sums.iter_mut().zip(sums) {
+            *sum = sum.wrapping_add(new);
+        }
+        // The inserts (or the splits they made) may have changed page 0.
+        *self.store_marks.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(store_marks(k_store, p, pl));
         Ok(changed)
     }
+}
+
+/// Each head's mark of `k_store` (`[H_kv, p]` pages of `page_len` cells): its page 0's.
+fn store_marks<C: bytemuck::Pod>(k_store: &[C], p: usize, page_len: usize) -> Vec<u32> {
+    k_store
+        .chunks_exact(p * page_len)
+        .map(|head| fingerprint::page_mark(bytemuck::cast_slice(&head[..page_len])))
+        .collect()
 }
 
 /// One head's K and V page stores, in format `F`.
