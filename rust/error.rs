@@ -18,6 +18,9 @@ pub enum Error {
     /// A background job failed or was cancelled (the message says which and why).
     #[error("{0}")]
     Worker(String),
+    /// A call out of order: it must wait for a running job, or come after another call.
+    #[error("{0}")]
+    Order(String),
     /// An allocation the arguments ask for that the allocator refused.
     #[error("{0}")]
     Memory(String),

@@ -13,7 +13,8 @@ use rayon::prelude::*;
 use crate::error::{ensure, try_filled, Result};
 use crate::index::Scratch;
 use crate::input::check_rows;
-use crate::pages::HeadForest;
+use crate::pages::int8::PageCodes;
+use crate::pages::{HeadForest, HeadPages};
 use crate::simd::{self, QueryI8};
 
 /// Options of one selection.
@@ -70,6 +71,159 @@ struct Buffers {
     top: Vec<usize>,
 }
 
+/// Scores `page` for the query heads `js` (their quantised queries `prepared`, `qscale`) into
+/// their lists in `scored`. `dots` is scratch.
+#[allow(clippy::too_many_arguments)]
+fn scan(
+    hp: &HeadPages,
+    codes: PageCodes<'_>,
+    page: u32,
+    js: impl Iterator<Item = usize>,
+    prepared: &[QueryI8<'_>],
+    qscale: &[f32],
+    scored: &mut [Vec<Scored>],
+    dots: &mut Vec<i32>,
+) {
+    for j in js {
+        let q = (&prepared[j], qscale[j]);
+        hp.scan_page(codes, page, q, dots, |slot, score| scored[j].push(Scored { score, page, slot: slot as u32 }));
+    }
+}
+
+impl Buffers {
+    /// Quantises the group's queries `qs` (`[G, d]`) and empties what each head scored.
+    fn quantize(&mut self, qs: &[f32], d: usize) {
+        let group = qs.len() / d;
+        self.qcode.resize(group * d, 0);
+        self.qscale.clear();
+        for (q, code) in qs.chunks_exact(d).zip(self.qcode.chunks_exact_mut(d)) {
+            self.qscale.push(simd::quantize_i8(q, code));
+        }
+        self.scored.resize_with(group, Vec::new);
+        self.scored.iter_mut().for_each(|s| s.clear());
+        self.views.resize_with(group, Vec::new);
+    }
+
+    /// Exact mode: every query head scores every key of `hp`.
+    fn scan_every_page(&mut self, hp: &HeadPages, codes: PageCodes<'_>, d: usize) {
+        let Buffers { qcode, qscale, scored, dots, .. } = self;
+        let prepared: Vec<QueryI8> = qcode.chunks_exact(d).map(QueryI8::new).collect();
+        for page in 0..hp.num_pages() as u32 {
+            scan(hp, codes, page, 0..prepared.len(), &prepared, qscale, scored, dots);
+        }
+    }
+
+    /// Each query head's field of view of `pool` keys at `effort`.
+    fn views(&mut self, hp: &HeadPages, qs: &[f32], d: usize, pool: usize, effort: f32) {
+        for (q, view) in qs.chunks_exact(d).zip(self.views.iter_mut()) {
+            hp.view(q, pool, effort, &mut self.tq, &mut self.search, view);
+        }
+    }
+
+    /// The cells to read, each once: every head's best, then every head's second best, and so
+    /// on. With `group_view` the first `fov` of them (as many as one head's own view), scored
+    /// by every head; otherwise all of them, each scored by the heads whose own view holds it
+    /// (what each head scores is its own view's keys, read once for the group).
+    fn shared_cells(&mut self, cells: usize, group_view: bool) {
+        let fov = self.views.iter().map(|v| v.len()).max().unwrap_or(0);
+        self.heads_of.resize(cells, 0);
+        self.shared.clear();
+        'fill: for rank in 0..fov {
+            for (j, view) in self.views.iter().enumerate() {
+                if let Some(&(cell, _)) = view.get(rank) {
+                    let heads = &mut self.heads_of[cell as usize];
+                    if *heads == 0 {
+                        self.shared.push(cell as u32);
+                    }
+                    *heads |= 1 << j;
+                    if group_view && self.shared.len() == fov {
+                        break 'fill;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Scans the shared cells (`shared_cells`) for the heads each is read for.
+    fn scan_cells(&mut self, hp: &HeadPages, codes: PageCodes<'_>, d: usize, group_view: bool) {
+        let Buffers { qcode, qscale, scored, dots, shared, heads_of, .. } = self;
+        let prepared: Vec<QueryI8> = qcode.chunks_exact(d).map(QueryI8::new).collect();
+        let group = prepared.len();
+        for (i, &cell) in shared.iter().enumerate() {
+            // The next cell's rows come from memory while this one is scanned (the cells are
+            // scattered over the store: a scan waits on memory otherwise).
+            if let Some(&next) = shared.get(i + 1) {
+                for &page in &hp.cells[next as usize].pages {
+                    codes.prefetch(page, hp.page_len(page));
+                }
+            }
+            let heads = std::mem::take(&mut heads_of[cell as usize]);
+            for &page in &hp.cells[cell as usize].pages {
+                if group_view {
+                    scan(hp, codes, page, 0..group, &prepared, qscale, scored, dots);
+                } else {
+                    let js = (0..group).filter(|&j| heads & 1 << j != 0);
+                    scan(hp, codes, page, js, &prepared, qscale, scored, dots);
+                }
+            }
+        }
+    }
+
+    /// Per page of `hp`, the group's attention mass over the keys its heads scored: each
+    /// head's softmax (at `p.scale`) summed into pages, plus the weight of each head's
+    /// `p.successors` heaviest keys on the page of the next position.
+    fn page_weights(&mut self, hp: &HeadPages, p: &SelectParams) -> Vec<f32> {
+        let np = hp.num_pages();
+        let mut sum = vec![0f32; np];
+        for scored in self.scored.iter() {
+            self.logits.clear();
+            self.logits.extend(scored.iter().map(|s| s.score * p.scale));
+            let total = simd::softmax_numerators(&mut self.logits);
+            self.weights.clear();
+            self.weights.resize(np, 0f32);
+            for (s, &x) in scored.iter().zip(self.logits.iter()) {
+                self.weights[s.page as usize] += x / total;
+            }
+            if p.successors > 0 {
+                let n = p.successors.min(scored.len());
+                let logits = &self.logits;
+                self.top.clear();
+                self.top.extend(0..scored.len());
+                if n < self.top.len() {
+                    self.top.select_nth_unstable_by(n - 1, |&a, &c| logits[c].total_cmp(&logits[a]));
+                }
+                for &i in &self.top[..n] {
+                    let at = scored[i];
+                    let next = hp.page_tokens(at.page)[at.slot as usize] as usize + 1;
+                    if let Some(page) = hp.page_of(next) {
+                        self.weights[page as usize] += logits[i] / total;
+                    }
+                }
+            }
+            sum.iter_mut().zip(self.weights.iter()).for_each(|(a, w)| *a += w);
+        }
+        sum
+    }
+}
+
+/// The pages of one KV head with weight, heaviest first (ties: lower page first), at most
+/// `out.len()` of them, into `out`; returns how many.
+fn rank_pages(weights: &[f32], out: &mut [i32]) -> i32 {
+    let max_pages = out.len();
+    let mut ranked: Vec<(f32, u32)> =
+        weights.iter().enumerate().filter(|(_, &w)| w > 0.0).map(|(i, &w)| (w, i as u32)).collect();
+    let best_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if ranked.len() > max_pages {
+        ranked.select_nth_unstable_by(max_pages - 1, best_first);
+        ranked.truncate(max_pages);
+    }
+    ranked.sort_unstable_by(best_first);
+    for (o, &(_, page)) in out.iter_mut().zip(&ranked) {
+        *o = page as i32;
+    }
+    ranked.len() as i32
+}
+
 impl HeadForest {
     /// Selects pages for `queries` `[H_q, d]`; returns `pages` `[H_kv, max_pages]` (ranked, -1
     /// past the count) and `counts` `[H_kv]`. `k_store`: for a forest of 8-bit stores, the K
@@ -94,127 +248,28 @@ impl HeadForest {
         let mut pages = try_filled(n, -1i32, "the page table [H_kv, max_pages]")?;
         // One task per KV head: its group's query heads together, so that a cell several of
         // them look at is read once.
-        let sums: Vec<Vec<f32>> = queries
+        let weights: Vec<Vec<f32>> = queries
             .par_chunks_exact(group * d)
             .zip(&self.heads)
             .zip(&codes)
             .map_init(Buffers::default, |b, ((qs, hp), &codes)| {
-                let effort = p.effort.unwrap_or(hp.effort);
-                b.qcode.resize(group * d, 0);
-                b.qscale.clear();
-                for (q, code) in qs.chunks_exact(d).zip(b.qcode.chunks_exact_mut(d)) {
-                    b.qscale.push(simd::quantize_i8(q, code));
-                }
-                b.scored.resize_with(group, Vec::new);
-                b.scored.iter_mut().for_each(|s| s.clear());
-                b.views.resize_with(group, Vec::new);
-                let Buffers { qcode, qscale, scored, dots, .. } = b;
-                let prepared: Vec<QueryI8> = qcode.chunks_exact(d).map(QueryI8::new).collect();
-                // Scores `page` for the query heads `js`.
-                let mut scan = |page: u32, js: &mut dyn Iterator<Item = usize>| {
-                    for j in js {
-                        let q = (&prepared[j], qscale[j]);
-                        hp.scan_page(codes, page, q, dots, |slot, score| {
-                            scored[j].push(Scored { score, page, slot: slot as u32 })
-                        });
-                    }
-                };
+                b.quantize(qs, d);
                 if p.exact {
-                    for page in 0..hp.num_pages() as u32 {
-                        scan(page, &mut (0..group));
-                    }
+                    b.scan_every_page(hp, codes, d);
                 } else {
-                    for (q, view) in qs.chunks_exact(d).zip(b.views.iter_mut()) {
-                        hp.view(q, pool, effort, &mut b.tq, &mut b.search, view);
-                    }
-                    // The cells to read, each once: every head's best, then every head's second
-                    // best, and so on. With `group_view` the first `fov` of them (as many as one
-                    // head's own view), scored by every head; otherwise all of them, each
-                    // scored by the heads whose own view holds it (what each head scores is its
-                    // own view's keys, read once for the group).
-                    let fov = b.views.iter().map(|v| v.len()).max().unwrap_or(0);
-                    b.heads_of.resize(hp.cells.len(), 0);
-                    b.shared.clear();
-                    'fill: for rank in 0..fov {
-                        for (j, view) in b.views.iter().enumerate() {
-                            if let Some(&(cell, _)) = view.get(rank) {
-                                let heads = &mut b.heads_of[cell as usize];
-                                if *heads == 0 {
-                                    b.shared.push(cell as u32);
-                                }
-                                *heads |= 1 << j;
-                                if p.group_view && b.shared.len() == fov {
-                                    break 'fill;
-                                }
-                            }
-                        }
-                    }
-                    for (i, &cell) in b.shared.iter().enumerate() {
-                        // The next cell's rows come from memory while this one is scanned (the
-                        // cells are scattered over the store: a scan waits on memory otherwise,
-                        // 1.25x the time on the dev machine).
-                        if let Some(&next) = b.shared.get(i + 1) {
-                            for &page in &hp.cells[next as usize].pages {
-                                codes.prefetch(page, hp.page_len(page));
-                            }
-                        }
-                        let heads = std::mem::take(&mut b.heads_of[cell as usize]);
-                        for &page in &hp.cells[cell as usize].pages {
-                            if p.group_view {
-                                scan(page, &mut (0..group));
-                            } else {
-                                scan(page, &mut (0..group).filter(|&j| heads & 1 << j != 0));
-                            }
-                        }
-                    }
+                    b.views(hp, qs, d, pool, p.effort.unwrap_or(hp.effort));
+                    b.shared_cells(hp.cells.len(), p.group_view);
+                    b.scan_cells(hp, codes, d, p.group_view);
                 }
-                let np = hp.num_pages();
-                let mut sum = vec![0f32; np];
-                for scored in b.scored.iter() {
-                    b.logits.clear();
-                    b.logits.extend(scored.iter().map(|s| s.score * p.scale));
-                    let total = simd::softmax_numerators(&mut b.logits);
-                    b.weights.clear();
-                    b.weights.resize(np, 0f32);
-                    for (s, &x) in scored.iter().zip(b.logits.iter()) {
-                        b.weights[s.page as usize] += x / total;
-                    }
-                    if p.successors > 0 {
-                        let n = p.successors.min(scored.len());
-                        let logits = &b.logits;
-                        b.top.clear();
-                        b.top.extend(0..scored.len());
-                        if n < b.top.len() {
-                            b.top.select_nth_unstable_by(n - 1, |&a, &c| logits[c].total_cmp(&logits[a]));
-                        }
-                        for &i in &b.top[..n] {
-                            let at = scored[i];
-                            let next = hp.page_tokens(at.page)[at.slot as usize] as usize + 1;
-                            if let Some(page) = hp.page_of(next) {
-                                b.weights[page as usize] += logits[i] / total;
-                            }
-                        }
-                    }
-                    sum.iter_mut().zip(b.weights.iter()).for_each(|(a, w)| *a += w);
-                }
-                sum
+                b.page_weights(hp, &p)
             })
             .collect();
         let mut counts = vec![0i32; h];
-        pages.par_chunks_mut(p.max_pages).zip(counts.par_iter_mut()).zip(sums).for_each(|((out, count), sum)| {
-            let mut ranked: Vec<(f32, u32)> =
-                sum.iter().enumerate().filter(|(_, &w)| w > 0.0).map(|(i, &w)| (w, i as u32)).collect();
-            let best_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-            if ranked.len() > p.max_pages {
-                ranked.select_nth_unstable_by(p.max_pages - 1, best_first);
-                ranked.truncate(p.max_pages);
-            }
-            ranked.sort_unstable_by(best_first);
-            for (o, &(_, page)) in out.iter_mut().zip(&ranked) {
-                *o = page as i32;
-            }
-            *count = ranked.len() as i32;
-        });
+        pages
+            .par_chunks_mut(p.max_pages)
+            .zip(counts.par_iter_mut())
+            .zip(weights)
+            .for_each(|((out, count), w)| *count = rank_pages(&w, out));
         Ok((pages, counts))
     }
 }

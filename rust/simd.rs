@@ -3,7 +3,8 @@
 
 use multiversion::multiversion;
 
-/// f32 dot product. Eight independent accumulators let LLVM keep several FMA chains in flight.
+/// f32 dot product. Sixteen independent accumulators (one per lane) let LLVM keep several FMA
+/// chains in flight.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());

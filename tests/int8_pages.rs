@@ -1,10 +1,10 @@
-//! Tests of 8-bit page stores: the row quantiser's error bound, and `write_pages_int8` /
-//! `insert_int8` (with page splits) holding the quantised K/V of exactly the tokens the page
-//! lists say.
+//! Tests of 8-bit page stores: the row quantiser's error bound, and `write_pages` / `insert`
+//! into 8-bit stores (with page splits) holding the quantised K/V of exactly the tokens the
+//! page lists say.
 
 use half::bf16;
 use icecache::pages::int8::{self, dequantize_row, quantize_row, row_parts};
-use icecache::pages::PageFormat;
+use icecache::pages::{PageFormat, Stores};
 use icecache::{Config, HeadForest, KeyData, Metric};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -93,11 +93,11 @@ fn keys(heads: usize, n: usize, dim: usize, seed: u64) -> Vec<f32> {
     out
 }
 
-fn forest(k: &[f32], heads: usize, dim: usize, page_size: usize, seed: u64) -> HeadForest {
+fn forest(k: KeyData<'_>, heads: usize, dim: usize, page_size: usize, seed: u64) -> HeadForest {
     let mut cfg = Config::new(dim, Metric::InnerProduct);
     cfg.seed = Some(seed);
     cfg.promotion = vec![0.06, 0.2];
-    HeadForest::build(KeyData::F32(k), heads, cfg, page_size, PageFormat::Int8).unwrap()
+    HeadForest::build(k, heads, cfg, page_size, PageFormat::Int8).unwrap()
 }
 
 /// Every token's slot holds the codes and scale of quantising its row (`src` `[heads, len,
@@ -140,7 +140,7 @@ fn head_rows<T: Copy>(src: &[T], h: usize, total: usize, d: usize, lo: usize, hi
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(6))]
 
-    /// write_pages_int8 then many inserts (with page splits): the stores always hold the
+    /// write_pages then many inserts (with page splits): the stores always hold the
     /// quantised rows of exactly the tokens the page lists name, as bf16 sources give them.
     #[test]
     fn write_and_insert_hold_the_quantised_tokens(seed in 0u64..1000, n in 40usize..200, page_size in 8usize..=16) {
@@ -150,12 +150,13 @@ proptest! {
         let v32: Vec<f32> = k32.iter().map(|x| 0.5 - 2.0 * x).collect();
         let (k, v) = (bf16s(&k32), bf16s(&v32));
         let as_bits = |x: &[bf16]| -> Vec<u16> { x.iter().map(|b| b.to_bits()).collect() };
-        let mut f = forest(&head_rows(&k32, h, total, d, 0, n), h, d, page_size, seed);
+        // Built on the keys it stores: a forest's stores take its own keys only.
+        let mut f = forest(KeyData::Bf16(&head_rows(&k, h, total, d, 0, n)), h, d, page_size, seed);
         let pages = f.max_pages() + 400;
         let pb = int8::page_bytes(page_size, d);
         let (mut ks, mut vs) = (vec![0xAAu8; h * pages * pb], vec![0xAAu8; h * pages * pb]);
         let (k0, v0) = (as_bits(&head_rows(&k, h, total, d, 0, n)), as_bits(&head_rows(&v, h, total, d, 0, n)));
-        f.write_pages_int8(&k0, &v0, &mut ks, &mut vs).unwrap();
+        f.write_pages(&k0, &v0, Stores::Int8(&mut ks, &mut vs)).unwrap();
         check_int8_store(&f, &head_rows(&k, h, total, d, 0, n), &ks, pages);
         let mut pos = n;
         let mut moved = false;
@@ -163,7 +164,7 @@ proptest! {
             let m = (total - pos).min(page_size);
             let before = f.token_map(0).unwrap().to_vec();
             let (kn, vn) = (as_bits(&head_rows(&k, h, total, d, pos, pos + m)), as_bits(&head_rows(&v, h, total, d, pos, pos + m)));
-            f.insert_int8(&kn, &vn, &mut ks, &mut vs).unwrap();
+            f.insert(&kn, &vn, Stores::Int8(&mut ks, &mut vs)).unwrap();
             moved |= before.iter().zip(&f.token_map(0).unwrap()).any(|(a, b)| a != b);
             pos += m;
         }
@@ -177,21 +178,21 @@ proptest! {
 fn int8_writes_refuse_non_finite_values_and_change_nothing() {
     let (h, n, d, s) = (2, 60, 8, 8);
     let k = keys(h, n, d, 3);
-    let mut f = forest(&k, h, d, s, 3);
+    let mut f = forest(KeyData::F32(&k), h, d, s, 3);
     let pb = int8::page_bytes(s, d);
     let pages = f.max_pages() + 4;
     let (mut ks, mut vs) = (vec![0u8; h * pages * pb], vec![0u8; h * pages * pb]);
     let mut bad_v = k.clone();
     bad_v[5] = f32::INFINITY;
-    assert!(f.write_pages_int8(&k, &bad_v, &mut ks, &mut vs).is_err());
+    assert!(f.write_pages(&k, &bad_v, Stores::Int8(&mut ks, &mut vs)).is_err());
     assert!(ks.iter().chain(&vs).all(|&b| b == 0), "a refused write changed the stores");
-    f.write_pages_int8(&k, &k, &mut ks, &mut vs).unwrap();
+    f.write_pages(&k, &k, Stores::Int8(&mut ks, &mut vs)).unwrap();
     let (ks0, vs0, map0) = (ks.clone(), vs.clone(), f.token_map(0).unwrap().to_vec());
     let new = keys(h, 2, d, 4);
     let mut bad = new.clone();
     bad[3] = f32::NAN;
-    assert!(f.insert_int8(&new, &bad, &mut ks, &mut vs).is_err());
-    assert!(f.insert_int8(&new, &new, &mut ks[..pb], &mut vs[..pb]).is_err(), "stores too small");
+    assert!(f.insert(&new, &bad, Stores::Int8(&mut ks, &mut vs)).is_err());
+    assert!(f.insert(&new, &new, Stores::Int8(&mut ks[..pb], &mut vs[..pb])).is_err(), "stores too small");
     assert_eq!((f.len(), f.token_map(0).unwrap()), (n, map0));
     assert!(ks == ks0 && vs == vs0, "a refused insert changed the stores");
 }
@@ -218,8 +219,8 @@ fn selections_from_the_k_store_equal_those_from_the_forests_own_rows() {
     let pb = int8::page_bytes(s, d);
     let (mut fk, mut fv) = (vec![0f32; h * pages * s * d], vec![0f32; h * pages * s * d]);
     let (mut bk, mut bv) = (vec![0u8; h * pages * pb], vec![0u8; h * pages * pb]);
-    own.write_pages(&k0, &v0, &mut fk, &mut fv).unwrap();
-    int8.write_pages_int8(&k0, &v0, &mut bk, &mut bv).unwrap();
+    own.write_pages(&k0, &v0, Stores::Native(&mut fk, &mut fv)).unwrap();
+    int8.write_pages(&k0, &v0, Stores::Int8(&mut bk, &mut bv)).unwrap();
     let queries = keys(1, 8 * h * g, d, 12);
     let compare = |own: &HeadForest, int8: &HeadForest, bk: &[u8]| {
         for (i, q) in queries.chunks_exact(h * g * d).enumerate() {
@@ -234,14 +235,21 @@ fn selections_from_the_k_store_equal_those_from_the_forests_own_rows() {
         }
     };
     compare(&own, &int8, &bk);
-    // It reads them there: negated codes turn its choices around; and it keeps no rows itself.
+    // It reads them there: negated codes (past each head's page 0, which marks the store as
+    // the forest's) turn its choices around; and it keeps no rows itself.
     let mut negated = bk.clone();
-    for page in negated.chunks_exact_mut(pb) {
-        page[..s * d].iter_mut().for_each(|c| *c = (*c as i8).wrapping_neg() as u8);
+    for (i, page) in negated.chunks_exact_mut(pb).enumerate() {
+        if i % pages != 0 {
+            page[..s * d].iter_mut().for_each(|c| *c = (*c as i8).wrapping_neg() as u8);
+        }
     }
     let p = SelectParams { max_pages: 6, scale: 0.3, effort: Some(1.0), exact: true, successors: 0, group_view: false };
     let q = &queries[..h * g * d];
     assert_ne!(int8.select(q, p, Some(&bk)).unwrap(), int8.select(q, p, Some(&negated)).unwrap());
+    // A store whose page 0 is not the forest's is not its store.
+    negated[..s * d].iter_mut().for_each(|c| *c = (*c as i8).wrapping_neg() as u8);
+    let err = int8.select(q, p, Some(&negated)).unwrap_err().to_string();
+    assert!(err.contains("does not hold this forest's pages"), "{err}");
     assert!(int8.nbytes() + h * n * (d + 4) <= own.nbytes(), "{} vs {}", int8.nbytes(), own.nbytes());
     // The 8-bit forest refuses to select without its K store, the other with one.
     let p = SelectParams { max_pages: 6, scale: 0.3, effort: None, exact: false, successors: 0, group_view: false };
@@ -250,8 +258,8 @@ fn selections_from_the_k_store_equal_those_from_the_forests_own_rows() {
     for a in (n..total).step_by(s) {
         let b = (a + s).min(total);
         let (kn, vn) = (head_rows(&k, h, total, d, a, b), head_rows(&v, h, total, d, a, b));
-        let x = own.insert(&kn, &vn, &mut fk, &mut fv).unwrap();
-        let y = int8.insert_int8(&kn, &vn, &mut bk, &mut bv).unwrap();
+        let x = own.insert(&kn, &vn, Stores::Native(&mut fk, &mut fv)).unwrap();
+        let y = int8.insert(&kn, &vn, Stores::Int8(&mut bk, &mut bv)).unwrap();
         assert_eq!(x, y, "inserts {a}..{b} changed other pages");
     }
     own.validate().unwrap();

@@ -5,10 +5,10 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use icecache::lookahead::{
-    Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, StagingLayout,
-    Work,
+    Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, Lane, LaneSource, LayerBuffers, LayerJobs, LeaderLane,
+    LookAhead, Outcome, Ready, Work,
 };
-use icecache::pages::{int8, PageFormat};
+use icecache::pages::{int8, PageFormat, Stores};
 use icecache::{Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -50,7 +50,7 @@ fn layer(n: usize, p: usize, capacity: usize) -> Layer {
     let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S, PageFormat::Native).unwrap();
     let mut k_store = vec![0f32; H * p * S * D];
     let mut v_store = vec![0f32; H * p * S * D];
-    f.write_pages(&keys, &keys, &mut k_store, &mut v_store).unwrap();
+    f.write_pages(&keys, &keys, Stores::Native(&mut k_store, &mut v_store)).unwrap();
     Layer {
         forest: Arc::new(RwLock::new(f)),
         resident: Arc::new(RwLock::new(ResidentPages::new(H, capacity).unwrap())),
@@ -110,18 +110,25 @@ fn follower_job(g: Geometry, staging: &mut [u8], lane: FollowerLane, leader: &Ar
 }
 
 fn staging_bytes(g: &Geometry, batch: usize, width: usize, capacity: usize) -> usize {
-    StagingLayout::new(g, batch, width, capacity).bytes
+    g.staging_layout(batch, width, capacity).bytes
 }
 
 /// Reads the staging layout of `Outcome` back (one sequence; `capacity` device slots per head).
 fn meta(o: &Outcome, staging: &[u8], capacity: usize) -> Meta {
-    let l = StagingLayout::new(&geometry(), 1, o.width, capacity);
-    let i64s: Vec<i64> =
-        staging[..l.table_at].chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect();
-    let i32s: Vec<i32> =
-        staging[l.table_at..l.mask_at].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect();
-    let (n, c, t) = (o.loads, o.clears, H * o.width);
-    let (loads, masks) = i64s.split_at(l.max_loads);
+    let l = geometry().staging_layout(1, o.width, capacity);
+    let i64s = |r: std::ops::Range<usize>| -> Vec<i64> {
+        staging[r].chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().unwrap())).collect()
+    };
+    let i32s = |r: std::ops::Range<usize>| -> Vec<i32> {
+        staging[r].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect()
+    };
+    let (n, c) = (o.loads, o.clears);
+    let loads = &i64s(l.load_idx_at..l.mask_idx_at)[..];
+    let masks = &i64s(l.mask_idx_at..l.table_at)[..];
+    assert_eq!((loads.len(), masks.len()), (l.max_loads, l.max_masks));
+    let (table, table_len) = (i32s(l.table_at..l.table_len_at), i32s(l.table_len_at..l.mask_at));
+    assert_eq!((table.len(), table_len.len()), (l.table_entries, l.table_entries));
+    assert_eq!(l.table_entries, H * o.width);
     let trash = l.trash as i64;
     assert!(loads[n..].iter().chain(&masks[n + c..]).all(|&x| x == trash), "padding names the trash slot");
     assert_eq!(loads[..n], masks[..n], "the mask rows start with the loaded slots");
@@ -138,8 +145,8 @@ fn meta(o: &Outcome, staging: &[u8], capacity: usize) -> Meta {
         load_slot: loads[..n].iter().map(|&x| (x % cap) as i32).collect(),
         load_len: lens[..n].to_vec(),
         clear_bh: masks[n..n + c].iter().map(|&x| (x / cap) as i32).collect(),
-        table: i32s[..t].to_vec(),
-        table_len: i32s[t..].to_vec(),
+        table,
+        table_len,
         rows_at: l.rows_at,
     }
 }
@@ -168,6 +175,29 @@ fn check_rows(l: &Layer, o: &Outcome, m: &Meta, staging: &[u8]) {
             f.page_tokens(head, pg).unwrap().len() as i32 == m.load_len[i] && l.k_store[at..at + S * D] == floats[..]
         });
         assert!(found, "staged row {i} is no page of head {head}");
+    }
+}
+
+/// The regions of a staging layout follow each other in order, each as large as its entries.
+#[test]
+fn staging_regions_are_contiguous_and_sized() {
+    for format in [PageFormat::Native, PageFormat::Int8] {
+        let g = Geometry { format, ..geometry() };
+        let (batch, width, capacity) = (3, 5, 7);
+        let l = g.staging_layout(batch, width, capacity);
+        let lanes = batch * H;
+        assert_eq!(
+            (l.max_loads, l.max_masks, l.table_entries),
+            (lanes * width, lanes * (width + capacity), lanes * width)
+        );
+        assert_eq!(l.load_idx_at, 0);
+        assert_eq!(l.mask_idx_at, l.load_idx_at + 8 * l.max_loads, "int64 load_idx");
+        assert_eq!(l.table_at, l.mask_idx_at + 8 * l.max_masks, "int64 mask_idx");
+        assert_eq!(l.table_len_at, l.table_at + 4 * l.table_entries, "int32 table");
+        assert_eq!(l.mask_at, l.table_len_at + 4 * l.table_entries, "int32 table_len");
+        assert!(l.rows_at >= l.mask_at + l.max_masks * S && l.rows_at.is_multiple_of(icecache::lookahead::ROW_ALIGN));
+        assert_eq!(l.bytes, l.rows_at + 2 * l.max_loads * g.page_bytes());
+        assert_eq!(l.trash, lanes * capacity);
     }
 }
 
@@ -346,7 +376,7 @@ fn int8_leader_and_follower_stage_quantised_pages() {
     let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S, PageFormat::Int8).unwrap();
     let p = 200;
     let (mut ks, mut vs) = (vec![0u8; H * p * pb], vec![0u8; H * p * pb]);
-    f.write_pages_int8(&keys, &keys, &mut ks, &mut vs).unwrap();
+    f.write_pages(&keys, &keys, Stores::Int8(&mut ks, &mut vs)).unwrap();
     let forest = Arc::new(RwLock::new(f));
     let resident = Arc::new(RwLock::new(ResidentPages::new(H, 40).unwrap()));
     let cap = n + 64;
@@ -362,7 +392,7 @@ fn int8_leader_and_follower_stage_quantised_pages() {
     let mut new_k = rows(H * S, 77);
     let mut new_v = new_k.clone();
     let (mut fnk, mut fnv) = (new_k.clone(), new_v.clone());
-    let bytes = StagingLayout::new(&g, 1, width, 40).bytes;
+    let bytes = g.staging_layout(1, width, 40).bytes;
     let (mut ls, mut fs) = (vec![0u8; bytes], vec![0u8; bytes]);
     let lead = worker
         .submit(Job {
@@ -402,7 +432,7 @@ fn int8_leader_and_follower_stage_quantised_pages() {
     let fo = worker.submit(follower_job(g, &mut fs, lane, &lead)).unwrap().wait().unwrap();
     let lo = lead.wait().unwrap();
     assert!(lo.loads > 0);
-    assert_eq!(lo.end, StagingLayout::new(&g, 1, width, 40).rows_at + 2 * lo.loads * pb);
+    assert_eq!(lo.end, g.staging_layout(1, width, 40).rows_at + 2 * lo.loads * pb);
     assert!(fk == ks && fv == vs, "the follower's 8-bit pages differ from the leader's");
     assert_eq!(fs[..fo.end], ls[..lo.end], "same keys, same plan: same staging");
     // Each staged page is a page of the store, and its rows dequantise near the tokens' keys.
@@ -415,7 +445,7 @@ fn int8_leader_and_follower_stage_quantised_pages() {
             &all[1][(h * S + t - n) * D..(h * S + t - n + 1) * D]
         }
     };
-    let rows_at = StagingLayout::new(&g, 1, width, 40).rows_at;
+    let rows_at = g.staging_layout(1, width, 40).rows_at;
     for i in 0..lo.loads {
         let staged = &ls[rows_at + 2 * i * pb..rows_at + (2 * i + 1) * pb];
         assert_eq!(staged, &ls[rows_at + (2 * i + 1) * pb..rows_at + (2 * i + 2) * pb], "K = V here");
@@ -432,4 +462,167 @@ fn int8_leader_and_follower_stage_quantised_pages() {
             }
         }
     }
+}
+
+/// The buffers of one `LayerJobs` (one sequence), owned by the test; `jobs` borrows them.
+struct LayerBufs {
+    q: Vec<f32>,
+    flag: Vec<i64>,
+    flush_k: Vec<f32>,
+    flush_v: Vec<f32>,
+    staging: Vec<u8>,
+}
+
+impl LayerBufs {
+    fn new(width: usize, capacity: usize) -> LayerBufs {
+        LayerBufs {
+            q: rows(H * G, 4),
+            // Queued jobs may start at once.
+            flag: vec![i64::MAX],
+            flush_k: vec![0.0; H * S * D],
+            flush_v: vec![0.0; H * S * D],
+            staging: vec![0; geometry().staging_layout(1, width, capacity).bytes],
+        }
+    }
+
+    fn lend(&mut self) -> LayerBuffers {
+        LayerBuffers {
+            queries: buf(&mut self.q),
+            flag: buf(&mut self.flag),
+            flush_k: buf(&mut self.flush_k),
+            flush_v: buf(&mut self.flush_v),
+            staging: buf(&mut self.staging),
+            keep_alive: Arc::new(()),
+        }
+    }
+}
+
+fn params(width: usize) -> SelectParams {
+    SelectParams { max_pages: width, scale: 0.25, effort: Some(1.0), exact: false, successors: 0, group_view: false }
+}
+
+fn leading_lane(l: &mut Layer) -> Lane {
+    Lane {
+        k_store: buf(&mut l.k_store),
+        v_store: buf(&mut l.v_store),
+        source: LaneSource::Index { forest: Some(l.forest.clone()), resident: l.resident.clone() },
+        keep_alive: Arc::new(()),
+    }
+}
+
+/// A following layer's `n`th job pairs with its leader's `n`th, even when the leader has
+/// started its next one; one the leader has not started (or has forgotten) is an error.
+#[test]
+fn layer_jobs_pair_a_follower_with_the_leaders_job_of_its_number() {
+    let (n, width, capacity) = (400, 6, 24);
+    let mut l = layer(n, 120, capacity);
+    let worker = Arc::new(LookAhead::new(Some(2)).unwrap());
+    let mut lb = LayerBufs::new(width, capacity);
+    let lead = Arc::new(LayerJobs::new(worker.clone(), geometry(), 1, params(width), 1, lb.lend(), None).unwrap());
+    let mut fb = LayerBufs::new(width, capacity);
+    let follow = LayerJobs::new(worker, geometry(), 1, params(width), 1, fb.lend(), Some(lead.clone())).unwrap();
+    let (mut fk, mut fv) = (l.k_store.clone(), l.v_store.clone());
+    let mut hk = l.keys.clone();
+    let mut hv = l.keys.clone();
+    let follower_lane = Lane {
+        k_store: buf(&mut fk),
+        v_store: buf(&mut fv),
+        source: LaneSource::History { k_history: buf(&mut hk), v_history: buf(&mut hv) },
+        keep_alive: Arc::new(()),
+    };
+    lead.set_lane(0, leading_lane(&mut l)).unwrap();
+    follow.set_lane(0, follower_lane).unwrap();
+    let err = follow.start(&[0], None, Some(&[n])).unwrap_err();
+    assert!(matches!(err, icecache::Error::Order(_)), "{err}");
+    // Four leader jobs with different queries: each selects differently.
+    let mut selected = Vec::new();
+    for seed in 0..4 {
+        lb.q.copy_from_slice(&rows(H * G, 100 + seed));
+        lead.start(&[0], None, None).unwrap();
+        selected.push(lead.current().unwrap().wait().unwrap().selected_pages());
+    }
+    assert!(selected.windows(2).all(|w| w[0] != w[1]), "the test needs selections that differ");
+    // Jobs 0 and 1 are forgotten (the leader keeps its last two): too far behind.
+    let err = follow.start(&[0], None, Some(&[n])).unwrap_err();
+    assert!(matches!(err, icecache::Error::Order(_)), "{err}");
+    follow.clear();
+    lead.clear();
+    lead.set_lane(0, leading_lane(&mut l)).unwrap();
+    let follower_lane = Lane {
+        k_store: buf(&mut fk),
+        v_store: buf(&mut fv),
+        source: LaneSource::History { k_history: buf(&mut hk), v_history: buf(&mut hv) },
+        keep_alive: Arc::new(()),
+    };
+    follow.set_lane(0, follower_lane).unwrap();
+    let mut lead_selected = Vec::new();
+    for seed in 0..2 {
+        lb.q.copy_from_slice(&rows(H * G, 200 + seed));
+        lead.start(&[0], None, None).unwrap();
+        lead_selected.push(lead.current().unwrap().wait().unwrap().selected_pages());
+    }
+    // The leader is one job ahead of each: the follower's job k pairs with the leader's job k.
+    for want in &lead_selected {
+        follow.start(&[0], None, Some(&[n])).unwrap();
+        assert_eq!(&follow.current().unwrap().wait().unwrap().selected_pages(), want);
+    }
+    assert_ne!(lead_selected[0], lead_selected[1]);
+}
+
+/// Queued jobs select anew every `refresh`th job (or when tokens were flushed); jobs run now
+/// always select.
+#[test]
+fn layer_jobs_reselect_every_refresh_jobs() {
+    let (width, capacity, refresh) = (6, 24, 3);
+    let mut l = layer(400, 120, capacity);
+    let worker = Arc::new(LookAhead::new(Some(2)).unwrap());
+    let mut lb = LayerBufs::new(width, capacity);
+    let jobs = LayerJobs::new(worker, geometry(), 1, params(width), refresh, lb.lend(), None).unwrap();
+    jobs.set_lane(0, leading_lane(&mut l)).unwrap();
+    let mut selects = Vec::new();
+    for number in 0..7 {
+        jobs.start(&[0], Some(number), None).unwrap();
+        selects.push(jobs.current().unwrap().wait().unwrap().selected > 0);
+    }
+    assert_eq!(selects, [true, false, false, true, false, false, true]);
+    jobs.start(&[0], None, None).unwrap(); // job 7, run now
+    assert!(jobs.current().unwrap().wait().unwrap().selected > 0);
+    // A flush makes a queued job select: job 8 would not.
+    lb.flush_k.copy_from_slice(&rows(H * S, 31));
+    lb.flush_v.copy_from_slice(&lb.flush_k.clone());
+    jobs.start(&[S], Some(8), None).unwrap();
+    assert!(jobs.current().unwrap().wait().unwrap().selected > 0);
+    jobs.start(&[0], Some(9), None).unwrap();
+    assert!(jobs.current().unwrap().wait().unwrap().selected > 0, "job 9 is a refresh");
+    jobs.start(&[0], Some(10), None).unwrap();
+    assert_eq!(jobs.current().unwrap().wait().unwrap().selected, 0);
+}
+
+/// A lane must fit its layer: its role, and its forest's shape and page format.
+#[test]
+fn layer_jobs_check_their_lanes() {
+    let (width, capacity) = (6, 24);
+    let mut l = layer(400, 120, capacity);
+    let worker = Arc::new(LookAhead::new(Some(1)).unwrap());
+    let mut lb = LayerBufs::new(width, capacity);
+    let g = Geometry { format: PageFormat::Int8, ..geometry() };
+    let int8 = LayerJobs::new(worker.clone(), g, 1, params(width), 1, lb.lend(), None).unwrap();
+    let err = int8.set_lane(0, leading_lane(&mut l)).unwrap_err().to_string();
+    assert!(err.contains("page format"), "{err}");
+    let jobs = LayerJobs::new(worker, geometry(), 1, params(width), 1, lb.lend(), None).unwrap();
+    assert!(jobs.set_lane(1, leading_lane(&mut l)).is_err(), "b outside the batch");
+    let (mut hk, mut hv) = (l.keys.clone(), l.keys.clone());
+    let history = Lane {
+        k_store: buf(&mut l.k_store),
+        v_store: buf(&mut l.v_store),
+        source: LaneSource::History { k_history: buf(&mut hk), v_history: buf(&mut hv) },
+        keep_alive: Arc::new(()),
+    };
+    assert!(jobs.set_lane(0, history).is_err(), "a leading layer's lane needs an index");
+    let err = jobs.start(&[0], None, None).unwrap_err().to_string();
+    assert!(err.contains("set_lane"), "{err}");
+    jobs.set_lane(0, leading_lane(&mut l)).unwrap();
+    assert!(jobs.start(&[S + 1], None, None).is_err(), "more than a page flushed");
+    jobs.start(&[0], None, None).unwrap();
+    assert!(jobs.done());
 }

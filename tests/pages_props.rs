@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 
 use icecache::pages::int8::quantize_row;
-use icecache::pages::PageFormat;
+use icecache::pages::{PageFormat, Stores};
 use icecache::{gather_pages, Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -85,7 +85,7 @@ fn layout_and_store_are_exact() {
     assert!(p >= n.div_ceil(s));
     let mut ks = vec![f32::NAN; h * p * s * d];
     let mut vs = vec![f32::NAN; h * p * s * d];
-    f.write_pages(&k, &v, &mut ks, &mut vs).unwrap();
+    f.write_pages(&k, &v, Stores::Native(&mut ks, &mut vs)).unwrap();
     check_store(&f, &k, &ks, p);
     check_store(&f, &v, &vs, p);
     // Pages hold keys near each other: mean within-page spread well below the head's spread.
@@ -258,13 +258,15 @@ fn inserts_keep_every_invariant() {
     let cap = f.max_pages() + 800;
     let mut ks = vec![0f32; h * cap * s * d];
     let mut vs = vec![0f32; h * cap * s * d];
-    f.write_pages(&head_rows(&k, 0, n), &head_rows(&v, 0, n), &mut ks, &mut vs).unwrap();
+    f.write_pages(&head_rows(&k, 0, n), &head_rows(&v, 0, n), Stores::Native(&mut ks, &mut vs)).unwrap();
     let mut pos = n;
     let mut splits_seen = false;
     while pos < total {
         let m = (total - pos).min(16);
         let before: Vec<Vec<(u32, u32)>> = (0..h).map(|hh| f.token_map(hh).unwrap().to_vec()).collect();
-        let changed = f.insert(&head_rows(&k, pos, pos + m), &head_rows(&v, pos, pos + m), &mut ks, &mut vs).unwrap();
+        let changed = f
+            .insert(&head_rows(&k, pos, pos + m), &head_rows(&v, pos, pos + m), Stores::Native(&mut ks, &mut vs))
+            .unwrap();
         for hh in 0..h {
             let after = f.token_map(hh).unwrap();
             let ch: HashSet<u32> = changed[hh].iter().copied().collect();
@@ -312,8 +314,8 @@ fn bad_input_changes_nothing() {
     let mut small_v = small.clone();
     let before = f.token_map(0).unwrap().to_vec();
     let new = keys(h, 4, d, 9);
-    assert!(f.insert(&new, &new, &mut small, &mut small_v).is_err(), "store too small");
-    assert!(f.insert(&new, &new[..8], &mut small, &mut small_v).is_err(), "values shape");
+    assert!(f.insert(&new, &new, Stores::Native(&mut small, &mut small_v)).is_err(), "store too small");
+    assert!(f.insert(&new, &new[..8], Stores::Native(&mut small, &mut small_v)).is_err(), "values shape");
     assert_eq!(f.len(), n);
     assert_eq!(f.token_map(0).unwrap(), &before[..]);
     assert!(small.iter().all(|&x| x == 0.0), "a failed insert wrote into the store");

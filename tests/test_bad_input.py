@@ -248,3 +248,90 @@ def test_a_store_read_by_one_call_cannot_be_written_by_another_meanwhile():
         t.join()
     assert readers_ok
     assert all("read or written by another running call" in e for e in errors), errors[:3]
+
+
+# --------------------------------------------------------------------------------------------
+# page stores: a forest's stores hold its own keys, and an 8-bit forest reads only its K store
+# --------------------------------------------------------------------------------------------
+
+
+def _stores(f, page_format, dtype=np.float32, extra=8):
+    p = f.max_pages() + extra
+    if page_format == "int8":
+        shape = (f.num_heads, p, f.page_size * (f.dim + 4))
+        return np.zeros(shape, np.uint8), np.zeros(shape, np.uint8)
+    shape = (f.num_heads, p, f.page_size, f.dim)
+    return np.zeros(shape, dtype), np.zeros(shape, dtype)
+
+
+@pytest.mark.parametrize("page_format", ["native", "int8"])
+def test_write_pages_takes_only_the_forests_keys_and_finite_ones(page_format):
+    """``write_pages`` of keys other than those the forest was built on is a ``ValueError`` (with
+    8-bit pages it would change what ``select`` scores), and so are NaN or infinite keys; the
+    stores stay as they were. A layer that reuses the forest's page layout may write its own
+    keys into its own stores once the forest's own were written."""
+    keys = np.random.default_rng(1).standard_normal((2, 300, 16)).astype(np.float32)
+    f = HeadForest(keys, page_size=8, page_format=page_format, seed=0)
+    other = np.random.default_rng(2).standard_normal(keys.shape).astype(np.float32)
+    ks, vs = _stores(f, page_format)
+    with pytest.raises(ValueError, match="other keys than this forest was built on"):
+        f.write_pages(other, other, ks, vs)
+    for bad in (np.nan, np.inf, -np.inf):
+        nan = keys.copy()
+        nan[1, 7, 3] = bad
+        with pytest.raises(ValueError, match="finite"):
+            f.write_pages(nan, keys, ks, vs)
+    assert not ks.any() and not vs.any(), "a failed write_pages changed the stores"
+    f.write_pages(keys, keys, ks, vs)
+    written = ks.copy(), vs.copy()
+    with pytest.raises(ValueError, match="other keys than this forest was built on"):
+        f.write_pages(other, other, ks, vs)  # over the forest's own pages
+    np.testing.assert_array_equal(ks, written[0])
+    np.testing.assert_array_equal(vs, written[1])
+    # A reusing layer's own stores take its own (finite) keys in this layout.
+    fk, fv = _stores(f, page_format)
+    f.write_pages(other, other, fk, fv)
+    nan = other.copy()
+    nan[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="finite"):
+        f.write_pages(nan, other, *_stores(f, page_format))
+    # The forest still selects from its own pages, and inserts go there (or to a grown copy).
+    grown = [np.concatenate([s, np.zeros_like(s)], axis=1) for s in (ks, vs)]
+    new = np.random.default_rng(3).standard_normal((2, 5, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match="does not hold this forest's pages"):
+        f.insert(new, new, fk, fv)
+    assert len(f) == 300
+    f.insert(new, new, *grown)
+    assert len(f) == 305
+    # The inserted keys are the forest's keys now.
+    both = np.concatenate([keys, new], axis=1)
+    f.write_pages(both, both, *grown)
+    pages, counts = f.select(both[:, 0].repeat(2, axis=0), 3, k_store=grown[0] if page_format == "int8" else None)
+    assert (counts > 0).all()
+
+
+def test_an_int8_forest_reads_only_the_k_store_it_was_written_to():
+    """``select``, ``calibrate`` and ``insert`` of an 8-bit forest refuse a K store that does not
+    hold its pages (another layer's, or a blank one), with a ``ValueError``; a copy of its own
+    store is still its store."""
+    keys = np.random.default_rng(4).standard_normal((2, 400, 16)).astype(np.float32)
+    f = HeadForest(keys, page_size=8, page_format="int8", seed=0)
+    ks, vs = _stores(f, "int8")
+    f.write_pages(keys, keys, ks, vs)
+    other = np.random.default_rng(5).standard_normal(keys.shape).astype(np.float32)
+    fk, fv = _stores(f, "int8")
+    f.write_pages(other, other, fk, fv)  # a reusing layer's stores, in this layout
+    q = keys[:, 3].repeat(2, axis=0)
+    want = f.select(q, 4, k_store=ks)
+    for wrong in (fk, np.zeros_like(ks)):
+        with pytest.raises(ValueError, match="does not hold this forest's pages"):
+            f.select(q, 4, k_store=wrong)
+        with pytest.raises(ValueError, match="does not hold this forest's pages"):
+            f.calibrate(keys[:, :4].repeat(2, axis=0), 4, k_store=wrong)
+        new = keys[:, :2].copy()
+        with pytest.raises(ValueError, match="does not hold this forest's pages"):
+            f.insert(new, new, wrong, np.zeros_like(wrong))
+    assert len(f) == 400
+    got = f.select(q, 4, k_store=ks.copy())
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])

@@ -295,7 +295,15 @@ class HeadForest:
         holds its rows' int8 codes (``page_size * d`` bytes), then one float32 scale per row
         (``max |x| / 127``; a row is ``code * scale`` within ``scale / 2``). Values must then be
         finite (``ValueError``). The K store written is where the forest reads its keys from
-        afterwards. (A reuse group's followers write their own stores in the leader's layout.)"""
+        afterwards.
+
+        ``k_src`` must be the keys the forest was built on (plus those ``insert`` added), in the
+        same dtype, and finite: other keys or NaN/inf are a ``ValueError`` and nothing is
+        written. One exception: once the forest's own keys were written, a layer that reuses its
+        page layout (a reuse group's follower) may write its own keys into its own stores, which
+        then must not be the forest's (they are told apart by a checksum of each head's page 0).
+        The check reads every key once more (measured: about as long again as the write of
+        16-bit pages)."""
     def select(
         self,
         queries: npt.ArrayLike,
@@ -314,7 +322,8 @@ class HeadForest:
         (each query head's softmax with ``scale``, default ``1/sqrt(d)``, over the keys its search
         scores, summed over the group); the rest is -1. Keys are scored from their int8 rows
         against the int8 query; ``exact`` scores every key instead of searching. ``k_store``: the
-        8-bit K store the forest's keys live in (``page_format="int8"``; ``None`` otherwise).
+        8-bit K store the forest's keys live in (``page_format="int8"``; ``None`` otherwise): the
+        one ``write_pages`` wrote them to, or a copy of it (``ValueError`` otherwise).
         ``effort``: the search effort of every head; ``None``: each head's own (``efforts``, as
         ``calibrate`` set them). ``successors``: the weight of each query head's ``successors``
         heaviest keys also goes to the page holding the next position (for selecting a step
@@ -352,9 +361,10 @@ class HeadForest:
     ) -> List[npt.NDArray[np.int32]]:
         """Appends ``m`` tokens per head (``[H_kv, m, d]``), writes their K/V (and any tokens a page
         split moves) into the stores, and returns per head the pages whose contents changed.
-        The stores need ``P >= max_pages() + m``. 8-bit stores as for :meth:`write_pages`: new
-        tokens are quantised, moved tokens keep their codes and scales. Each new key joins the
-        leaf cell nearest it (or, with the first promotion ratio, opens one of its own) and the
+        The stores need ``P >= max_pages() + m`` and must be those :meth:`write_pages` wrote the
+        forest's keys to (or a copy; ``ValueError`` otherwise, nothing inserted). 8-bit stores as
+        for :meth:`write_pages`: new tokens are quantised, moved tokens keep their codes and scales.
+        Each new key joins the leaf cell nearest it (or, with the first promotion ratio, opens one of its own) and the
         nearest page of that cell with room; when all are full, the nearest page splits in two."""
 
 @final
@@ -409,22 +419,32 @@ class StagingLayout:
     padded entries name the device pool's ``trash`` slot, so that the device applies any step
     with the same operations and only the used prefix (``LookAheadOutcome.end``) is copied:
 
-    - from 0: int64 ``load_idx [max_loads]``, the device slot of each loaded page as
-      ``(b * H_kv + head) * capacity + slot``, then int64 ``mask_idx [max_masks]``, the slots whose
-      valid-token mask changes (the loaded ones, then the slots cleared because their page changed
-      and was not selected again);
-    - from ``table_at``: int32 ``table [B*H_kv*width]``, the device slot of each selected page in
-      the host's rank order (-1 past the head's count), then int32 ``table_len``, its valid tokens;
+    - from ``load_idx_at`` (0): int64 ``load_idx [max_loads]``, the device slot of each loaded page
+      as ``(b * H_kv + head) * capacity + slot``;
+    - from ``mask_idx_at``: int64 ``mask_idx [max_masks]``, the slots whose valid-token mask
+      changes (the loaded ones, then the slots cleared because their page changed and was not
+      selected again);
+    - from ``table_at``: int32 ``table [table_entries]`` (``[B, H_kv, width]``), the device slot of
+      each selected page in the host's rank order (-1 past the head's count);
+    - from ``table_len_at``: int32 ``table_len [table_entries]``, the valid tokens of each;
     - from ``mask_at``: ``[max_masks, page_size]`` bytes, 1 where the slot holds a token;
     - from ``rows_at``: each loaded page's K then V, as the stores hold them: ``[max_loads, 2,
       page_size, d]`` elements, or with ``page_format="int8"`` ``[max_loads, 2, page_size * (d +
       4)]`` bytes (each page's int8 codes, then its float32 row scales).
+
+    Offsets are in bytes, entries in native byte order; ``mask_idx_at == 8 * max_loads`` and each
+    region ends where the next begins, up to ``mask_at`` (``rows_at`` is aligned to 64 bytes).
     """
 
     max_loads: int
     max_masks: int
+    #: Entries of ``table`` and of ``table_len``: ``batch * kv_heads * max_pages``.
+    table_entries: int
     trash: int
+    load_idx_at: int
+    mask_idx_at: int
     table_at: int
+    table_len_at: int
     mask_at: int
     rows_at: int
     bytes: int

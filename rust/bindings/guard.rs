@@ -38,7 +38,7 @@ pub(super) fn to_py(e: Error) -> PyErr {
         Error::UnknownId(id) => PyKeyError::new_err(format!("unknown id {id}")),
         Error::File(m) => IndexFileError::new_err(m),
         Error::Io(e) => e.into(),
-        Error::Worker(m) => PyRuntimeError::new_err(m),
+        Error::Worker(m) | Error::Order(m) => PyRuntimeError::new_err(m),
         Error::Memory(m) => PyMemoryError::new_err(m),
         e @ Error::Internal(_) => PyRuntimeError::new_err(e.to_string()),
     }

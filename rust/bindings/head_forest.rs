@@ -1,7 +1,7 @@
 //! `HeadForest`: one M-DCI tree per KV head of a layer, laid out as semantic pages, with page
 //! selection and decode-time inserts.
 
-use numpy::{IntoPyArray, PyArrayDescrMethods, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArrayDescrMethods, PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::arrays::{check_shape, matrix, ro, rw, to_i32, with_elem, Keys, NdArray1, NdArray2};
@@ -9,8 +9,24 @@ use super::dci_index::{apply_config, PyCalibration};
 use super::guard::{entry, release, run, sizes, to_py, Shared};
 use super::pools::{on_pool, Workers};
 use crate::index::{DEFAULT_MAX_EFFORT, DEFAULT_MIN_EFFORT};
-use crate::pages::{int8, HeadForest, PageFormat};
+use crate::pages::{int8, HeadForest, PageFormat, Stores};
 use crate::select::SelectParams;
+
+/// K and V page stores borrowed writable from NumPy, in a forest's page format.
+enum StoreArrays<'py, T: numpy::Element> {
+    Native(PyReadwriteArrayDyn<'py, T>, PyReadwriteArrayDyn<'py, T>),
+    Int8(PyReadwriteArrayDyn<'py, u8>, PyReadwriteArrayDyn<'py, u8>),
+}
+
+impl<T: numpy::Element> StoreArrays<'_, T> {
+    /// The stores for the core.
+    fn slices(&mut self) -> PyResult<Stores<'_, T>> {
+        Ok(match self {
+            StoreArrays::Native(k, v) => Stores::Native(k.as_slice_mut()?, v.as_slice_mut()?),
+            StoreArrays::Int8(k, v) => Stores::Int8(k.as_slice_mut()?, v.as_slice_mut()?),
+        })
+    }
+}
 
 /// One M-DCI tree per KV head of one layer, laid out as semantic pages.
 /// See ``icecache/_core.pyi`` for the full documentation.
@@ -30,18 +46,29 @@ impl PyHeadForest {
         self.workers
     }
 
-    /// K and V page stores: `[H_kv, P, page_size, d]` each.
-    fn check_stores(&self, k_shape: &[usize], v_shape: &[usize]) -> PyResult<()> {
-        let want = [Some(self.num_heads), None, Some(self.page_size), Some(self.dim)];
-        check_shape("k_store", k_shape, &want)?;
-        check_shape("v_store", v_shape, &want)
-    }
-
-    /// 8-bit K and V page stores: `[H_kv, P, int8_page_bytes]` uint8 each.
-    fn check_int8_stores(&self, k_shape: &[usize], v_shape: &[usize]) -> PyResult<()> {
-        let want = [Some(self.num_heads), None, Some(int8::page_bytes(self.page_size, self.dim))];
-        check_shape("k_store", k_shape, &want)?;
-        check_shape("v_store", v_shape, &want)
+    /// The K and V page stores, borrowed writable and checked against this forest's shape:
+    /// `[H_kv, P, page_size, d]` of the tokens' element `T`, or for 8-bit stores (`int8`, see
+    /// `int8_stores`) `[H_kv, P, int8_page_bytes]` uint8.
+    fn borrow_stores<'py, T: numpy::Element>(
+        &self,
+        int8: bool,
+        k_store: &Bound<'py, PyAny>,
+        v_store: &Bound<'py, PyAny>,
+    ) -> PyResult<StoreArrays<'py, T>> {
+        let (h, s, d) = (Some(self.num_heads), Some(self.page_size), Some(self.dim));
+        if int8 {
+            let (k, kshape) = rw::<u8>(k_store, "k_store")?;
+            let (v, vshape) = rw::<u8>(v_store, "v_store")?;
+            let want = [h, None, Some(int8::page_bytes(self.page_size, self.dim))];
+            check_shape("k_store", &kshape, &want)?;
+            check_shape("v_store", &vshape, &want)?;
+            return Ok(StoreArrays::Int8(k, v));
+        }
+        let (k, kshape) = rw::<T>(k_store, "k_store")?;
+        let (v, vshape) = rw::<T>(v_store, "v_store")?;
+        check_shape("k_store", &kshape, &[h, None, s, d])?;
+        check_shape("v_store", &vshape, &[h, None, s, d])?;
+        Ok(StoreArrays::Native(k, v))
     }
 
     /// Whether this forest's stores are 8-bit, after checking that `k_store` is of that kind
@@ -218,31 +245,16 @@ impl PyHeadForest {
                 let (h, d) = (self.num_heads, self.dim);
                 let n = forest.len();
                 let pool = self.pool();
-                if self.int8_stores(k_store)? {
-                    return with_elem!(k_src, "k_src", |T| {
-                        let (mut ks, kshape) = rw::<u8>(k_store, "k_store")?;
-                        let (mut vs, vshape) = rw::<u8>(v_store, "v_store")?;
-                        let (kr, krs) = ro::<T>(k_src, "k_src")?;
-                        let (vr, vrs) = ro::<T>(v_src, "v_src")?;
-                        check_shape("k_src", &krs, &[Some(h), Some(n), Some(d)])?;
-                        check_shape("v_src", &vrs, &[Some(h), Some(n), Some(d)])?;
-                        self.check_int8_stores(&kshape, &vshape)?;
-                        let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
-                        let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
-                        release(py, || on_pool(pool, true, || forest.write_pages_int8(krl, vrl, ksl, vsl)))
-                    });
-                }
-                with_elem!(k_store, "k_store", |T| {
-                    let (mut ks, kshape) = rw::<T>(k_store, "k_store")?;
-                    let (mut vs, vshape) = rw::<T>(v_store, "v_store")?;
+                let int8 = self.int8_stores(k_store)?;
+                with_elem!(k_src, "k_src", |T| {
+                    let mut stores = self.borrow_stores::<T>(int8, k_store, v_store)?;
                     let (kr, krs) = ro::<T>(k_src, "k_src")?;
                     let (vr, vrs) = ro::<T>(v_src, "v_src")?;
                     check_shape("k_src", &krs, &[Some(h), Some(n), Some(d)])?;
                     check_shape("v_src", &vrs, &[Some(h), Some(n), Some(d)])?;
-                    self.check_stores(&kshape, &vshape)?;
-                    let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
+                    let stores = stores.slices()?;
                     let (krl, vrl) = (kr.as_slice()?, vr.as_slice()?);
-                    release(py, || on_pool(pool, true, || forest.write_pages(krl, vrl, ksl, vsl)))
+                    release(py, || on_pool(pool, true, || forest.write_pages(krl, vrl, stores)))
                 })
             })
         })
@@ -343,36 +355,19 @@ impl PyHeadForest {
             let changed = self.inner.with_write(py, |py, forest| {
                 let [keys, values, k_store, v_store] = arrays.each_ref().map(|a| a.bind(py));
                 let (h, d) = (self.num_heads, self.dim);
-                if self.int8_stores(k_store)? {
-                    return with_elem!(keys, "keys", |T| {
-                        let (mut ks, kshape) = rw::<u8>(k_store, "k_store")?;
-                        let (mut vs, vshape) = rw::<u8>(v_store, "v_store")?;
-                        let (kr, krs) = ro::<T>(keys, "keys")?;
-                        let (vr, vrs) = ro::<T>(values, "values")?;
-                        check_shape("keys", &krs, &[Some(h), None, Some(d)])?;
-                        check_shape("values", &vrs, &[Some(h), Some(krs[1]), Some(d)])?;
-                        self.check_int8_stores(&kshape, &vshape)?;
-                        let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
-                        // Copies, as below.
-                        let (krl, vrl) = (kr.as_slice()?.to_vec(), vr.as_slice()?.to_vec());
-                        let pool = self.pool();
-                        release(py, || on_pool(pool, true, || forest.insert_int8(&krl, &vrl, ksl, vsl)))
-                    });
-                }
-                with_elem!(k_store, "k_store", |T| {
-                    let (mut ks, kshape) = rw::<T>(k_store, "k_store")?;
-                    let (mut vs, vshape) = rw::<T>(v_store, "v_store")?;
+                let int8 = self.int8_stores(k_store)?;
+                with_elem!(keys, "keys", |T| {
+                    let mut stores = self.borrow_stores::<T>(int8, k_store, v_store)?;
                     let (kr, krs) = ro::<T>(keys, "keys")?;
                     let (vr, vrs) = ro::<T>(values, "values")?;
                     check_shape("keys", &krs, &[Some(h), None, Some(d)])?;
                     check_shape("values", &vrs, &[Some(h), Some(krs[1]), Some(d)])?;
-                    self.check_stores(&kshape, &vshape)?;
-                    let (ksl, vsl) = (ks.as_slice_mut()?, vs.as_slice_mut()?);
+                    let stores = stores.slices()?;
                     // Copies: what the core validates must be what it inserts, whatever other
                     // threads do to the caller's arrays meanwhile.
                     let (krl, vrl) = (kr.as_slice()?.to_vec(), vr.as_slice()?.to_vec());
                     let pool = self.pool();
-                    release(py, || on_pool(pool, true, || forest.insert(&krl, &vrl, ksl, vsl)))
+                    release(py, || on_pool(pool, true, || forest.insert(&krl, &vrl, stores)))
                 })
             })?;
             changed.into_iter().map(|c| Ok(to_i32(c, "page")?.into_pyarray(py))).collect()

@@ -1,31 +1,28 @@
 //! `LookAhead` and `LookAheadLayer`: the look-ahead worker (`crate::lookahead`) for the
 //! runtime.
 //!
-//! A `LookAheadLayer` holds, for one IceCache layer, every host buffer its jobs use (page
-//! stores, histories, the pinned queries, flag, flushed tokens and staging), lent once as NumPy
-//! views of the runtime's torch buffers, so that starting a step's job costs a few integers.
-//! Every job keeps references to the arrays it uses until it has finished, so their memory
-//! outlives the job. The caller must leave a layer's buffers alone while its job runs: the
-//! runtime waits for a layer's job before it uses that layer's host state again.
+//! A `LookAheadLayer` is a `crate::lookahead::LayerJobs`: this file checks the NumPy views of
+//! the runtime's torch buffers it is lent (page stores, histories, the pinned queries, flag,
+//! flushed tokens and staging) and hands them over with references that keep the arrays alive
+//! while a job uses them. The caller must leave a layer's buffers alone while its job runs:
+//! the runtime waits for a layer's job before it uses that layer's host state again.
 
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::arrays::{matrix3, numpy_of};
-use super::guard::{entry, sizes, to_py};
+use super::guard::{entry, run, sizes, to_py};
 use super::head_forest::PyHeadForest;
 use super::resident_pages::PyResidentPages;
 use crate::lookahead::{
-    Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, LeaderLane, LookAhead, Outcome, Ready, StagingLayout,
-    Work,
+    Elem, Geometry, HostBuf, KeepAlive, Lane, LaneSource, LayerBuffers, LayerJobs, LookAhead, Outcome, StagingLayout,
+    StagingShape,
 };
 use crate::pages::PageFormat;
 use crate::select::SelectParams;
-
-type Keep = Arc<Vec<Py<PyAny>>>;
 
 /// A C-contiguous, writable array lent to jobs: its memory, shape and element type (`None`:
 /// not a K/V element type), and a reference that keeps it alive.
@@ -138,74 +135,45 @@ impl PyOutcome {
 pub struct PyStagingLayout {
     max_loads: usize,
     max_masks: usize,
+    table_entries: usize,
     trash: usize,
+    load_idx_at: usize,
+    mask_idx_at: usize,
     table_at: usize,
+    table_len_at: usize,
     mask_at: usize,
     rows_at: usize,
     bytes: usize,
 }
 
-/// One sequence's buffers.
-#[derive(Clone)]
-struct Lane {
-    forest: Option<Arc<RwLock<crate::pages::HeadForest>>>,
-    resident: Option<Arc<RwLock<crate::ResidentPages>>>,
-    k_store: HostBuf,
-    v_store: HostBuf,
-    k_history: HostBuf,
-    v_history: HostBuf,
-    keep: Keep,
+impl From<StagingLayout> for PyStagingLayout {
+    fn from(l: StagingLayout) -> PyStagingLayout {
+        PyStagingLayout {
+            max_loads: l.max_loads,
+            max_masks: l.max_masks,
+            table_entries: l.table_entries,
+            trash: l.trash,
+            load_idx_at: l.load_idx_at,
+            mask_idx_at: l.mask_idx_at,
+            table_at: l.table_at,
+            table_len_at: l.table_len_at,
+            mask_at: l.mask_at,
+            rows_at: l.rows_at,
+            bytes: l.bytes,
+        }
+    }
 }
 
-struct State {
-    lanes: Vec<Option<Lane>>,
-    current: Option<Arc<JobState>>,
-    /// Jobs started so far, and the last two with their numbers: a following layer's `n`th job
-    /// pairs with its leader's `n`th (with look-ahead the leader may have started its next one).
-    started: u64,
-    recent: std::collections::VecDeque<(u64, Arc<JobState>)>,
-}
-
-/// One IceCache layer's look-ahead jobs. See ``icecache/_core.pyi``.
+/// One IceCache layer's look-ahead jobs (`crate::lookahead::LayerJobs`). See
+/// ``icecache/_core.pyi``.
 #[pyclass(name = "LookAheadLayer", module = "icecache._core", frozen)]
 pub struct PyLookAheadLayer {
-    worker: Arc<LookAhead>,
-    leader: Option<Py<PyLookAheadLayer>>,
-    geometry: Geometry,
-    batch: usize,
-    select: SelectParams,
-    /// Queued jobs select anew every `refresh` steps (and whenever tokens were flushed).
-    refresh: u64,
-    queries: HostBuf,
-    flag: HostBuf,
-    flush_k: HostBuf,
-    flush_v: HostBuf,
-    staging: HostBuf,
-    /// The arrays above.
-    keep: Keep,
-    state: Mutex<State>,
+    inner: Arc<LayerJobs>,
 }
 
-impl PyLookAheadLayer {
-    fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        // Nothing panics while holding it; a poisoned lock still guards consistent state.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Sequence `b`'s first `m` flushed tokens, `[H_kv, m, d]` each.
-    fn flush(&self, b: usize, m: usize) -> Option<Flush> {
-        if m == 0 {
-            return None;
-        }
-        let g = &self.geometry;
-        let per_seq = g.heads * g.page_size * g.dim * g.elem.size();
-        let take = |buf: &HostBuf| {
-            // SAFETY: a sub-range of a lent buffer (bounds checked in `start`); the job that gets
-            // it is the only user until it finishes.
-            unsafe { buf.sub(b * per_seq, g.heads * m * g.dim * g.elem.size()) }
-        };
-        Some(Flush { keys: take(&self.flush_k), values: take(&self.flush_v), tokens: m })
-    }
+/// The references that keep arrays lent to jobs alive.
+fn keep_alive(arrays: Vec<Py<PyAny>>) -> KeepAlive {
+    Arc::new(arrays)
 }
 
 #[pymethods]
@@ -228,7 +196,7 @@ impl PyLookAheadLayer {
         effort: Option<f32>,
         #[pyo3(from_py_with = sizes::successors)] successors: usize,
         #[pyo3(from_py_with = sizes::refresh)] refresh: usize,
-        leader: Option<Py<PyLookAheadLayer>>,
+        leader: Option<PyRef<'_, PyLookAheadLayer>>,
         page_format: &str,
         group_view: bool,
     ) -> PyResult<Self> {
@@ -259,37 +227,18 @@ impl PyLookAheadLayer {
                 return Err(PyValueError::new_err("scale and effort must be positive numbers"));
             }
             let geometry = Geometry { heads: kv_heads, query_heads, dim, page_size, elem, format };
-            if let Some(l) = &leader {
-                let l = l.get();
-                if l.batch != batch
-                    || (l.geometry.heads, l.geometry.page_size) != (kv_heads, page_size)
-                    || l.leader.is_some()
-                {
-                    return Err(PyValueError::new_err(
-                        "leader must be a leading layer of the same batch, heads and pages",
-                    ));
-                }
-            }
-            Ok(PyLookAheadLayer {
-                worker: worker.inner.clone(),
-                leader,
-                geometry,
-                batch,
-                select: SelectParams { max_pages, scale, effort, exact: false, successors, group_view },
-                refresh: refresh as u64,
+            let select = SelectParams { max_pages, scale, effort, exact: false, successors, group_view };
+            let buffers = LayerBuffers {
                 queries: qb,
                 flag: fb,
                 flush_k: kb,
                 flush_v: vb,
                 staging: sb,
-                keep: Arc::new(vec![qk, fk, kk, vk, sk]),
-                state: Mutex::new(State {
-                    lanes: vec![None; batch],
-                    current: None,
-                    started: 0,
-                    recent: Default::default(),
-                }),
-            })
+                keep_alive: keep_alive(vec![qk, fk, kk, vk, sk]),
+            };
+            let leader = leader.map(|l| l.inner.clone());
+            let inner = LayerJobs::new(worker.inner.clone(), geometry, batch, select, refresh, buffers, leader);
+            Ok(PyLookAheadLayer { inner: Arc::new(inner.map_err(to_py)?) })
         })
     }
 
@@ -299,6 +248,7 @@ impl PyLookAheadLayer {
     #[allow(clippy::too_many_arguments)]
     fn set_lane(
         &self,
+        py: Python<'_>,
         #[pyo3(from_py_with = sizes::b)] b: usize,
         k_store: &Bound<'_, PyAny>,
         v_store: &Bound<'_, PyAny>,
@@ -308,10 +258,7 @@ impl PyLookAheadLayer {
         v_history: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         entry(|| {
-            let g = self.geometry;
-            if b >= self.batch {
-                return Err(PyValueError::new_err(format!("b = {b} outside the batch of {}", self.batch)));
-            }
+            let g = *self.inner.geometry();
             let Lent { buf: kb, shape: ks, elem: ke, keep: kk } = lend(k_store, "k_store")?;
             let Lent { buf: vb, shape: vs, elem: ve, keep: vk } = lend(v_store, "v_store")?;
             match g.format {
@@ -348,29 +295,12 @@ impl PyLookAheadLayer {
                     }
                 }
             }
-            let mut lane = Lane {
-                forest: None,
-                resident: None,
-                k_store: kb,
-                v_store: vb,
-                k_history: HostBuf::EMPTY,
-                v_history: HostBuf::EMPTY,
-                keep: Arc::new(Vec::new()),
-            };
             let mut keep = vec![kk, vk];
-            if self.leader.is_none() {
+            let source = if self.inner.leads() {
                 let Some(r) = resident else {
                     return Err(PyValueError::new_err("a leading layer's lane needs its resident pages"));
                 };
-                let ok =
-                    forest.as_ref().is_none_or(|f| (f.num_heads, f.dim, f.page_size) == (g.heads, g.dim, g.page_size));
-                if !ok || r.num_heads != g.heads {
-                    return Err(PyValueError::new_err(
-                        "the forest or resident pages do not match the layer's heads and pages",
-                    ));
-                }
-                lane.forest = forest.map(|f| f.inner.arc());
-                lane.resident = Some(r.inner.arc());
+                LaneSource::Index { forest: forest.map(|f| f.inner.arc()), resident: r.inner.arc() }
             } else {
                 let (Some(hk), Some(hv)) = (k_history, v_history) else {
                     return Err(PyValueError::new_err("a following layer's lane needs its histories"));
@@ -390,19 +320,12 @@ impl PyLookAheadLayer {
                         &hks,
                     ));
                 }
-                lane.k_history = hkb;
-                lane.v_history = hvb;
                 keep.extend([hkk, hvk]);
-            }
-            lane.keep = Arc::new(keep);
-            let mut st = self.state();
-            if st.current.as_ref().is_some_and(|j| !j.is_done()) {
-                return Err(PyRuntimeError::new_err(
-                    "a job of this layer is running: wait for it before changing its buffers",
-                ));
-            }
-            st.lanes[b] = Some(lane);
-            Ok(())
+                LaneSource::History { k_history: hkb, v_history: hvb }
+            };
+            let lane = Lane { k_store: kb, v_store: vb, source, keep_alive: keep_alive(keep) };
+            // Without the GIL: the core reads the forest's shape behind its lock.
+            run(py, || self.inner.set_lane(b, lane))
         })
     }
 
@@ -415,118 +338,18 @@ impl PyLookAheadLayer {
         step: Option<i64>,
         history_lens: Option<Vec<usize>>,
     ) -> PyResult<()> {
-        entry(|| {
-            let g = self.geometry;
-            if flushed.len() != self.batch || flushed.iter().any(|&m| m > g.page_size) {
-                return Err(PyValueError::new_err(format!(
-                    "flushed must give 0..={} tokens for each of {} sequences",
-                    g.page_size, self.batch
-                )));
-            }
-            let mut st = self.state();
-            let number = st.started;
-            let leader_job =
-                match &self.leader {
-                    None => None,
-                    Some(l) => {
-                        let ls = l.get().state();
-                        let job = ls.recent.iter().find(|(n, _)| *n == number).map(|(_, j)| j.clone());
-                        Some(job.ok_or_else(|| {
-                            PyRuntimeError::new_err("the leading layer has not started this step's job")
-                        })?)
-                    }
-                };
-            if st.current.as_ref().is_some_and(|j| !j.is_done()) {
-                return Err(PyRuntimeError::new_err("this layer's previous job has not finished: wait for it first"));
-            }
-            let lanes: Vec<Lane> = st
-                .lanes
-                .iter()
-                .enumerate()
-                .map(|(b, l)| {
-                    l.clone().ok_or_else(|| PyValueError::new_err(format!("sequence {b} has no buffers (set_lane)")))
-                })
-                .collect::<PyResult<_>>()?;
-            let keep: Vec<Keep> =
-                std::iter::once(self.keep.clone()).chain(lanes.iter().map(|l| l.keep.clone())).collect();
-            let work = match leader_job {
-                None => Work::Leader {
-                    lanes: lanes
-                        .iter()
-                        .enumerate()
-                        .map(|(b, l)| -> PyResult<LeaderLane> {
-                            Ok(LeaderLane {
-                                forest: l.forest.clone(),
-                                resident: l.resident.clone().ok_or_else(|| {
-                                    PyRuntimeError::new_err("a leading layer's lane has no resident pages")
-                                })?,
-                                k_store: l.k_store,
-                                v_store: l.v_store,
-                                flush: self.flush(b, flushed[b]),
-                            })
-                        })
-                        .collect::<PyResult<_>>()?,
-                    queries: self.queries,
-                    select: self.select,
-                    // Run-now jobs always select: they serve the step they run in.
-                    reselect: step.is_none() || number.is_multiple_of(self.refresh),
-                },
-                Some(leader) => {
-                    let lens =
-                        history_lens.ok_or_else(|| PyValueError::new_err("a following layer needs history_lens"))?;
-                    if lens.len() != self.batch {
-                        return Err(PyValueError::new_err("history_lens needs one entry per sequence"));
-                    }
-                    Work::Follower {
-                        lanes: lanes
-                            .iter()
-                            .enumerate()
-                            .map(|(b, l)| FollowerLane {
-                                k_store: l.k_store,
-                                v_store: l.v_store,
-                                k_history: l.k_history,
-                                v_history: l.v_history,
-                                history_len: lens[b],
-                                flush: self.flush(b, flushed[b]),
-                            })
-                            .collect(),
-                        leader,
-                    }
-                }
-            };
-            let job = Job {
-                geometry: g,
-                ready: step.map(|s| Ready { flag: self.flag, step: s }),
-                staging: self.staging,
-                work,
-                keep_alive: Box::new(keep),
-            };
-            let state = match step {
-                None => {
-                    let worker = self.worker.clone();
-                    JobState::finished_with(py.allow_threads(move || worker.run(job)))
-                }
-                Some(_) => self.worker.submit(job).map_err(to_py)?,
-            };
-            st.current = Some(state.clone());
-            st.recent.push_back((number, state));
-            if st.recent.len() > 2 {
-                st.recent.pop_front();
-            }
-            st.started += 1;
-            Ok(())
-        })
+        entry(|| run(py, || self.inner.start(&flushed, step, history_lens.as_deref())))
     }
 
     /// Whether this layer's current job has finished (``True`` when there is none).
     fn done(&self) -> PyResult<bool> {
-        entry(|| Ok(self.state().current.as_ref().is_none_or(|j| j.is_done())))
+        entry(|| Ok(self.inner.done()))
     }
 
     /// Waits (without the GIL) for this layer's current job; its outcome. See ``icecache/_core.pyi``.
     fn wait(&self, py: Python<'_>) -> PyResult<PyOutcome> {
         entry(|| {
-            let job = self.state().current.clone().ok_or_else(|| PyRuntimeError::new_err("no job was started"))?;
+            let job = self.inner.current().ok_or_else(|| PyRuntimeError::new_err("no job was started"))?;
             let out = py.allow_threads(move || job.wait()).map_err(to_py)?;
             Ok(PyOutcome::from(&*out))
         })
@@ -535,20 +358,16 @@ impl PyLookAheadLayer {
     /// ``[B, kv_heads, max_pages]`` int32: the pages the current job selected (waits for it).
     fn selected<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, numpy::PyArray3<i32>>> {
         entry(|| {
-            let job = self.state().current.clone().ok_or_else(|| PyRuntimeError::new_err("no job was started"))?;
+            let job = self.inner.current().ok_or_else(|| PyRuntimeError::new_err("no job was started"))?;
             let out = py.allow_threads(move || job.wait()).map_err(to_py)?;
-            matrix3(py, (self.batch, self.geometry.heads, out.width), out.selected_pages())
+            matrix3(py, (self.inner.batch(), self.inner.geometry().heads, out.width), out.selected_pages())
         })
     }
 
     /// Forgets the current job (after it finished or was cancelled) and every lane.
     fn clear(&self) -> PyResult<()> {
         entry(|| {
-            let mut st = self.state();
-            st.current = None;
-            st.recent.clear();
-            st.started = 0;
-            st.lanes.iter_mut().for_each(|l| *l = None);
+            self.inner.clear();
             Ok(())
         })
     }
@@ -569,22 +388,12 @@ impl PyLookAheadLayer {
     ) -> PyResult<PyStagingLayout> {
         entry(|| {
             let format = PageFormat::parse(page_format).map_err(to_py)?;
-            let elem = match itemsize {
-                4 => Elem::F32,
-                2 => Elem::F16,
-                _ => return Err(PyValueError::new_err(format!("itemsize must be 2 or 4, got {itemsize}"))),
-            };
-            let g = Geometry { heads: kv_heads, query_heads: kv_heads, dim, page_size, elem, format };
-            let l = StagingLayout::new(&g, batch, max_pages, capacity);
-            Ok(PyStagingLayout {
-                max_loads: l.max_loads,
-                max_masks: l.max_masks,
-                trash: l.trash,
-                table_at: l.table_at,
-                mask_at: l.mask_at,
-                rows_at: l.rows_at,
-                bytes: l.bytes,
-            })
+            if itemsize != 2 && itemsize != 4 {
+                return Err(PyValueError::new_err(format!("itemsize must be 2 or 4, got {itemsize}")));
+            }
+            let page_bytes = format.page_bytes(page_size, dim, itemsize);
+            let shape = StagingShape { batch, heads: kv_heads, width: max_pages, capacity, page_size, page_bytes };
+            Ok(PyStagingLayout::from(StagingLayout::new(&shape)))
         })
     }
 }

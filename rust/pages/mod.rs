@@ -7,12 +7,13 @@
 //! or, for 8-bit pages, `[H_kv, P, int8::page_bytes(page_size, d)]` bytes (see [`int8`]); owned
 //! by the caller, this module writes them but never allocates them.
 
+mod fingerprint;
 mod head;
 pub mod int8;
 mod split;
 
 use std::ops::RangeInclusive;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
 use half::{bf16, f16};
@@ -27,35 +28,59 @@ pub(crate) use head::HeadPages;
 pub const PAGE_SIZES: std::ops::RangeInclusive<usize> = 8..=64;
 
 /// An element of K/V tokens: f32, f16, or bf16 carried as its u16 bits.
-pub trait Elem: Copy + Default + Send + Sync + 'static {
+pub trait Elem: bytemuck::Pod + Default + Send + Sync {
+    /// The exponent bits: all set in NaN and infinities only.
+    const EXP_MASK: u32;
     fn keys(s: &[Self]) -> KeyData<'_>;
     fn to_f32(self) -> f32;
+    fn bits(self) -> u32;
 }
 
 impl Elem for f32 {
+    const EXP_MASK: u32 = 0x7f80_0000;
     fn keys(s: &[f32]) -> KeyData<'_> {
         KeyData::F32(s)
     }
     fn to_f32(self) -> f32 {
         self
     }
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
 }
 
 impl Elem for f16 {
+    const EXP_MASK: u32 = 0x7c00;
     fn keys(s: &[f16]) -> KeyData<'_> {
         KeyData::F16(s)
     }
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
 }
 
 impl Elem for u16 {
+    const EXP_MASK: u32 = 0x7f80;
     fn keys(s: &[u16]) -> KeyData<'_> {
         KeyData::Bf16(half::slice::HalfBitsSliceExt::reinterpret_cast::<bf16>(s))
     }
     fn to_f32(self) -> f32 {
         bf16::from_bits(self).to_f32()
+    }
+    fn bits(self) -> u32 {
+        self as u32
+    }
+}
+
+/// The key sum (`fingerprint`) of `keys` at positions `start..`, in their own element type.
+fn key_sum_of(keys: KeyData<'_>, d: usize, start: usize) -> Option<u64> {
+    match keys {
+        KeyData::F32(s) => fingerprint::key_sum(s, d, start),
+        KeyData::F16(s) => fingerprint::key_sum(s, d, start),
+        KeyData::Bf16(s) => fingerprint::key_sum(half::slice::HalfFloatSliceExt::reinterpret_cast(s), d, start),
     }
 }
 
@@ -94,9 +119,60 @@ impl PageFormat {
     }
 }
 
+/// A forest's K and V page stores (module docs), in one of the [`PageFormat`]s.
+pub enum Stores<'a, T> {
+    /// `[H_kv, P, page_size, d]` elements of the tokens' type.
+    Native(&'a mut [T], &'a mut [T]),
+    /// `[H_kv, P, int8::page_bytes(page_size, d)]` bytes.
+    Int8(&'a mut [u8], &'a mut [u8]),
+}
+
+impl<T: Elem> Stores<'_, T> {
+    pub fn format(&self) -> PageFormat {
+        match self {
+            Stores::Native(..) => PageFormat::Native,
+            Stores::Int8(..) => PageFormat::Int8,
+        }
+    }
+
+    /// Rewrites page `at` (counted over every head's pages: `head · P + page`) of both stores
+    /// from `rows`, the K and V rows of its tokens in slot order; the slots past them are
+    /// zeroed. 8-bit stores quantise the rows, which must be finite.
+    pub fn rewrite_page(&mut self, at: usize, rows: &[(&[T], &[T])], page_size: usize, dim: usize) -> Result<()> {
+        fn rewrite<T: Elem, F: Format<T>>(
+            k: &mut [F::Cell],
+            v: &mut [F::Cell],
+            at: usize,
+            rows: &[(&[T], &[T])],
+            (s, d): (usize, usize),
+        ) -> Result<()> {
+            let pl = F::page_len(s, d);
+            ensure!(k.len() == v.len() && (at + 1) * pl <= k.len(), "page {at} beyond the stores");
+            ensure!(rows.len() <= s, "a page holds at most {s} tokens, not {}", rows.len());
+            let (kp, vp) = (&mut k[at * pl..(at + 1) * pl], &mut v[at * pl..(at + 1) * pl]);
+            F::clear_from(kp, 0, s, d);
+            F::clear_from(vp, 0, s, d);
+            for (slot, (kr, vr)) in rows.iter().enumerate() {
+                ensure!(kr.len() == d && vr.len() == d, "rows must have {d} elements");
+                for (page, row) in [(&mut *kp, kr), (&mut *vp, vr)] {
+                    if F::FINITE {
+                        ensure!(row.iter().all(|x| x.to_f32().is_finite()), "8-bit pages hold finite values only");
+                    }
+                    F::put(page, slot, row, s);
+                }
+            }
+            Ok(())
+        }
+        match self {
+            Stores::Native(k, v) => rewrite::<T, Native>(k, v, at, rows, (page_size, dim)),
+            Stores::Int8(k, v) => rewrite::<T, Int8>(k, v, at, rows, (page_size, dim)),
+        }
+    }
+}
+
 /// How page stores hold rows of `T`: each page is `page_len(s, d)` cells.
 pub(crate) trait Format<T: Elem> {
-    type Cell: Copy + Default + Send + Sync;
+    type Cell: bytemuck::Pod + Default + Send + Sync;
     /// Only finite rows can be stored.
     const FINITE: bool;
     fn page_len(s: usize, d: usize) -> usize;
@@ -108,8 +184,6 @@ pub(crate) trait Format<T: Elem> {
     fn copy(src: &[Self::Cell], from: usize, dst: &mut [Self::Cell], to: usize, s: usize, d: usize);
     /// Empties rows `from..s` of `page`.
     fn clear_from(page: &mut [Self::Cell], from: usize, s: usize, d: usize);
-    /// The format's name in [`PageFormat`].
-    const FORMAT: PageFormat;
     /// The store as int8 K rows, when it holds them (8-bit stores).
     fn codes(store: &[Self::Cell]) -> Option<&[u8]>;
 }
@@ -119,7 +193,6 @@ pub(crate) struct Native;
 
 impl<T: Elem> Format<T> for Native {
     type Cell = T;
-    const FORMAT: PageFormat = PageFormat::Native;
     const FINITE: bool = false;
     fn page_len(s: usize, d: usize) -> usize {
         s * d
@@ -147,7 +220,6 @@ pub(crate) struct Int8;
 
 impl<T: Elem> Format<T> for Int8 {
     type Cell = u8;
-    const FORMAT: PageFormat = PageFormat::Int8;
     const FINITE: bool = true;
     fn page_len(s: usize, d: usize) -> usize {
         int8::page_bytes(s, d)
@@ -195,8 +267,11 @@ pub struct HeadForest {
     format: PageFormat,
     /// `Config::rerank`: calibration measures the field of view of `rerank · k` tokens.
     rerank: usize,
-    /// 8-bit forests read their keys from the caller's K store: whether one was written.
-    written: AtomicBool,
+    /// Per head, the key sum of its keys (`fingerprint`).
+    key_sums: Vec<u64>,
+    /// Per head, the mark of the K store that holds this forest's keys (`fingerprint`); `None`
+    /// until `write_pages` has written them.
+    store_marks: Mutex<Option<Vec<u32>>>,
 }
 
 /// Hands the memory a build freed back to the OS. Each head's build frees a float32 copy of its
@@ -227,7 +302,7 @@ impl HeadForest {
     /// for page stores of `format`. `cfg.metric` must be inner product (attention); `cfg.seed`
     /// seeds head `h` with `seed + h`. With 16-bit stores (`Native`) each head keeps its keys'
     /// int8 rows itself; with 8-bit stores the K store holds them, and the forest reads them
-    /// there once `write_pages_int8` has written it.
+    /// there once `write_pages` has written it.
     pub fn build(
         keys: KeyData<'_>,
         num_heads: usize,
@@ -251,25 +326,30 @@ impl HeadForest {
         let heads = (0..num_heads)
             .into_par_iter()
             .map(|h| {
-                let head_keys = keys.part(h * n * d..(h + 1) * n * d).to_f32_vec();
+                let part = keys.part(h * n * d..(h + 1) * n * d);
+                let head_keys = part.to_f32_vec();
                 check_rows(&head_keys, d, "keys").map_err(|e| match e {
                     Error::Invalid(why) => Error::Invalid(format!("{why} (head {h})")),
                     other => other,
                 })?;
+                // Finite: checked just above.
+                let key_sum = key_sum_of(part, d, 0).unwrap_or_default();
                 let mut c = cfg.clone();
                 c.seed = cfg.seed.map(|s| s.wrapping_add(h as u64));
-                HeadPages::build(head_keys, &c, page_size, format == PageFormat::Native)
+                Ok((HeadPages::build(head_keys, &c, page_size, format == PageFormat::Native)?, key_sum))
             })
             .collect::<Result<Vec<_>>>();
         release_free_memory();
+        let (heads, key_sums) = heads?.into_iter().unzip();
         Ok(HeadForest {
-            heads: heads?,
+            heads,
             page_size,
             dim: d,
             len: n,
             format,
             rerank: cfg.rerank,
-            written: AtomicBool::new(false),
+            key_sums,
+            store_marks: Mutex::new(None),
         })
     }
 
@@ -309,7 +389,7 @@ impl HeadForest {
     }
 
     /// Each head's int8 K rows: its own (16-bit stores, `k_store` `None`), or the 8-bit
-    /// `k_store`'s (`[H_kv, P, page bytes]`, the store `write_pages_int8` wrote).
+    /// `k_store`'s (`[H_kv, P, page bytes]`, the store `write_pages` wrote).
     pub(crate) fn codes<'a>(&'a self, k_store: Option<&'a [u8]>) -> Result<Vec<int8::PageCodes<'a>>> {
         match (self.format, k_store) {
             (PageFormat::Native, None) => Ok(self.heads.iter().map(|hp| hp.codes(None)).collect()),
@@ -320,11 +400,8 @@ impl HeadForest {
                 Err(Error::Invalid("a forest of 8-bit pages reads its keys from the K store: pass k_store".into()))
             }
             (PageFormat::Int8, Some(store)) => {
-                ensure!(
-                    self.written.load(Ordering::Acquire),
-                    "the 8-bit page stores have not been written yet (write_pages first)"
-                );
                 let p = self.store_pages::<f32, Int8>(store.len(), "k_store", self.max_pages())?;
+                self.check_own_store(store, p, int8::page_bytes(self.page_size, self.dim))?;
                 let per_head = p * int8::page_bytes(self.page_size, self.dim);
                 Ok(self.heads.iter().zip(store.chunks_exact(per_head)).map(|(hp, s)| hp.codes(Some(s))).collect())
             }
@@ -436,37 +513,52 @@ impl HeadForest {
         Ok(p)
     }
 
-    /// `Err` unless this forest's stores are of format `F`.
-    fn check_format<T: Elem, F: Format<T>>(&self) -> Result<()> {
+    fn marks(&self) -> MutexGuard<'_, Option<Vec<u32>>> {
+        // Nothing panics while holding it; a poisoned lock still guards a consistent value.
+        self.store_marks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `Err` unless `k_store` (`[H_kv, p]` pages of `page_len` cells) holds this forest's keys:
+    /// it is the K store `write_pages` wrote them to (and inserts went to), or a copy of it.
+    fn check_own_store<C: bytemuck::Pod>(&self, k_store: &[C], p: usize, page_len: usize) -> Result<()> {
+        match &*self.marks() {
+            None => Err(Error::Invalid("the page stores have not been written yet (write_pages first)".into())),
+            Some(marks) => {
+                ensure!(
+                    *marks == store_marks(k_store, p, page_len),
+                    "k_store does not hold this forest's pages: pass the K store write_pages wrote (or a copy)"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// `Err` unless `stores` are of this forest's format.
+    fn check_format<T: Elem>(&self, stores: &Stores<'_, T>) -> Result<()> {
         ensure!(
-            F::FORMAT == self.format,
+            stores.format() == self.format,
             "this forest was built for {} page stores, not {}",
             self.format.name(),
-            F::FORMAT.name()
+            stores.format().name()
         );
         Ok(())
     }
 
     /// Writes K and V of every token (`[H_kv, n, d]`, position order) into the page stores;
     /// slots of the forest's pages that no token fills are zeroed, pages past them (the
-    /// stores' room for inserts) are left as they are. A forest built for 16-bit stores.
-    pub fn write_pages<T: Elem>(&self, k_src: &[T], v_src: &[T], k_store: &mut [T], v_store: &mut [T]) -> Result<()> {
-        self.write_pages_as::<T, Native>(k_src, v_src, k_store, v_store)
-    }
-
-    /// [`HeadForest::write_pages`] into 8-bit stores (`[H_kv, P, int8::page_bytes(page_size,
-    /// d)]` bytes): each row quantised to int8 codes and a scale. Values must be finite. A forest
-    /// built for 8-bit stores; from then on it reads its keys from this K store.
-    pub fn write_pages_int8<T: Elem>(
-        &self,
-        k_src: &[T],
-        v_src: &[T],
-        k_store: &mut [u8],
-        v_store: &mut [u8],
-    ) -> Result<()> {
-        self.write_pages_as::<T, Int8>(k_src, v_src, k_store, v_store)?;
-        self.written.store(true, Ordering::Release);
-        Ok(())
+    /// stores' room for inserts) are left as they are. The stores must be of the forest's
+    /// format; 8-bit stores quantise each row to int8 codes and a scale (values must be
+    /// finite), and the forest reads its keys from this K store from then on.
+    ///
+    /// `k_src` must be finite and the forest's own keys (its key sums, `fingerprint`): those
+    /// stores become the forest's. Other keys only go into other stores once the forest's own
+    /// were written: a layer that reuses this layout writes its own keys into its own stores.
+    pub fn write_pages<T: Elem>(&self, k_src: &[T], v_src: &[T], stores: Stores<'_, T>) -> Result<()> {
+        self.check_format(&stores)?;
+        match stores {
+            Stores::Native(k_store, v_store) => self.write_pages_as::<T, Native>(k_src, v_src, k_store, v_store),
+            Stores::Int8(k_store, v_store) => self.write_pages_as::<T, Int8>(k_src, v_src, k_store, v_store),
+        }
     }
 
     fn write_pages_as<T: Elem, F: Format<T>>(
@@ -476,7 +568,6 @@ impl HeadForest {
         k_store: &mut [F::Cell],
         v_store: &mut [F::Cell],
     ) -> Result<()> {
-        self.check_format::<T, F>()?;
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
         for (src, what) in [(k_src, "k_src"), (v_src, "v_src")] {
             ensure!(src.len() == h * self.len * d, "{what} must be [{h}, {}, {d}]", self.len);
@@ -488,6 +579,20 @@ impl HeadForest {
         let p = self.store_pages::<T, F>(k_store.len(), "k_store", need)?;
         ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
         let (n, pl) = (self.len, F::page_len(s, d));
+        let sums = k_src.par_chunks(n * d).map(|head| fingerprint::key_sum(head, d, 0)).collect::<Option<Vec<_>>>();
+        let Some(sums) = sums else {
+            return Err(Error::Invalid("k_src: keys must be finite (no NaN or infinity)".into()));
+        };
+        let own_keys = sums == self.key_sums;
+        if !own_keys {
+            // Another layer's keys, in this forest's layout, go into that layer's stores only.
+            let marks = self.marks();
+            ensure!(
+                marks.as_ref().is_some_and(|m| *m != store_marks(k_store, p, pl)),
+                "k_src holds other keys than this forest was built on: only the stores of a layer that \
+                 reuses its page layout take other keys, after this forest's own were written"
+            );
+        }
         for (src, store) in [(k_src, &mut *k_store), (v_src, &mut *v_store)] {
             store.par_chunks_mut(p * pl).zip(src.par_chunks(n * d)).zip(&self.heads).for_each(|((st, sr), hp)| {
                 st[..hp.num_pages() * pl].par_chunks_mut(pl).enumerate().for_each(|(page, block)| {
@@ -499,38 +604,24 @@ impl HeadForest {
                 })
             });
         }
+        if own_keys {
+            *self.marks() = Some(store_marks(k_store, p, pl));
+        }
         Ok(())
     }
 
     /// Appends `m` tokens per head (`keys`/`values` `[H_kv, m, d]`) at positions `len..len + m`:
     /// each joins the tree and a page of its cell (`HeadPages::insert`). Writes their K/V, and
-    /// those of tokens a split moves, into the stores (`P >= max_pages() + m`). Returns the
-    /// changed pages per head. A forest built for 16-bit stores.
-    pub fn insert<T: Elem>(
-        &mut self,
-        keys: &[T],
-        values: &[T],
-        k_store: &mut [T],
-        v_store: &mut [T],
-    ) -> Result<Vec<Vec<u32>>> {
-        self.insert_as::<T, Native>(keys, values, k_store, v_store)
-    }
-
-    /// [`HeadForest::insert`] into 8-bit stores (see [`HeadForest::write_pages_int8`]): new
-    /// tokens are quantised; tokens a split moves keep their codes and scales. Values must be
-    /// finite. A forest built for 8-bit stores, after `write_pages_int8`.
-    pub fn insert_int8<T: Elem>(
-        &mut self,
-        keys: &[T],
-        values: &[T],
-        k_store: &mut [u8],
-        v_store: &mut [u8],
-    ) -> Result<Vec<Vec<u32>>> {
-        ensure!(
-            self.written.load(Ordering::Acquire),
-            "the 8-bit page stores have not been written yet (write_pages first)"
-        );
-        self.insert_as::<T, Int8>(keys, values, k_store, v_store)
+    /// those of tokens a split moves, into the stores (`P >= max_pages() + m`, the forest's
+    /// format, the ones `write_pages` wrote the forest's keys to or a copy; 8-bit stores: new
+    /// tokens are quantised, tokens a split moves keep their codes and scales, values must be
+    /// finite). Returns the changed pages per head.
+    pub fn insert<T: Elem>(&mut self, keys: &[T], values: &[T], stores: Stores<'_, T>) -> Result<Vec<Vec<u32>>> {
+        self.check_format(&stores)?;
+        match stores {
+            Stores::Native(k_store, v_store) => self.insert_as::<T, Native>(keys, values, k_store, v_store),
+            Stores::Int8(k_store, v_store) => self.insert_as::<T, Int8>(keys, values, k_store, v_store),
+        }
     }
 
     fn insert_as<T: Elem, F: Format<T>>(
@@ -540,7 +631,6 @@ impl HeadForest {
         k_store: &mut [F::Cell],
         v_store: &mut [F::Cell],
     ) -> Result<Vec<Vec<u32>>> {
-        self.check_format::<T, F>()?;
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
         ensure!(keys.len().is_multiple_of(h * d) && !keys.is_empty(), "keys must be [{h}, m, {d}] with m >= 1");
         ensure!(values.len() == keys.len(), "values must have the shape of keys");
@@ -552,9 +642,10 @@ impl HeadForest {
         if F::FINITE {
             check_finite(values, "values")?;
         }
-        let start = self.len;
         let pl = F::page_len(s, d);
-        let changed = self
+        self.check_own_store(k_store, p, pl)?;
+        let start = self.len;
+        let inserted = self
             .heads
             .par_iter_mut()
             .zip(k_store.par_chunks_mut(p * pl))
@@ -577,12 +668,27 @@ impl HeadForest {
                 }
                 changed.sort_unstable();
                 changed.dedup();
-                Ok(changed)
+                // Finite: `check_rows` above.
+                Ok((changed, fingerprint::key_sum(&keys[hi * m * d..(hi + 1) * m * d], d, start).unwrap_or_default()))
             })
             .collect::<Result<Vec<_>>>()?;
         self.len += m;
+        let (changed, sums): (Vec<_>, Vec<_>) = inserted.into_iter().unzip();
+        for (sum, new) in self.key_sums.iter_mut().zip(sums) {
+            *sum = sum.wrapping_add(new);
+        }
+        // The inserts (or the splits they made) may have changed page 0.
+        *self.store_marks.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(store_marks(k_store, p, pl));
         Ok(changed)
     }
+}
+
+/// Each head's mark of `k_store` (`[H_kv, p]` pages of `page_len` cells): its page 0's.
+fn store_marks<C: bytemuck::Pod>(k_store: &[C], p: usize, page_len: usize) -> Vec<u32> {
+    k_store
+        .chunks_exact(p * page_len)
+        .map(|head| fingerprint::page_mark(bytemuck::cast_slice(&head[..page_len])))
+        .collect()
 }
 
 /// One head's K and V page stores, in format `F`.

@@ -97,9 +97,9 @@ class Staging:
         else:
             rows = rows.view(self.dtype).view(n, 2, S * D)
         return StagingView(
-            load_idx=buffer[: 8 * n].view(torch.int64),
-            mask_idx=buffer[8 * n : 8 * (n + m)].view(torch.int64),
-            tables=buffer[lay.table_at : lay.mask_at].view(torch.int32),
+            load_idx=buffer[lay.load_idx_at : lay.load_idx_at + 8 * n].view(torch.int64),
+            mask_idx=buffer[lay.mask_idx_at : lay.mask_idx_at + 8 * m].view(torch.int64),
+            tables=buffer[lay.table_at : lay.table_len_at + 4 * lay.table_entries].view(torch.int32),
             masks=buffer[lay.mask_at : lay.mask_at + m * S].view(torch.bool).view(m, S),
             rows=rows,
             trash=lay.trash,
