@@ -230,7 +230,7 @@ def pool_checks(monkeypatch):
         (dict(budget=48), r"at least 64"),
         (dict(window=24), r"window \(24\) must be a positive multiple of page_size \(16\)"),
         (dict(window=0), r"window"),
-        (dict(page_size=4, window=32), r"page_size must be in 8..64"),
+        (dict(page_size=4, window=32), r"page_size must be in 8\.\.=64"),
         (dict(reuse=0), r"reuse must be >= 1"),
         (dict(sink=-1), r"sink must be a non-negative int"),
         (dict(budget=256.0), r"budget must be a non-negative int"),

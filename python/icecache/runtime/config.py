@@ -9,8 +9,6 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 __all__ = ["CALIBRATION_POSITIONS", "IceCacheConfig"]
 
-# HeadForest accepts pages of 8..=64 tokens.
-_PAGE_SIZES = range(8, 65)
 #: Default look-ahead superset: this many times the pages a step attends, and at least
 #: ``SUPERSET_MIN`` pages (see ``superset_pages``).
 SUPERSET_FACTOR = 4
@@ -51,9 +49,21 @@ def _effort(value: Any) -> Optional[str]:
     return f"must be > 0 and finite, got {value!r}"
 
 
+def _core_refusal(name: str, value: Any, make: Callable[[], Any]) -> Optional[str]:
+    """What the core says is wrong with ``value`` when ``make`` builds a throw-away object with
+    it, or None: so the limits live in one place."""
+    try:
+        make()
+    except (TypeError, ValueError, OverflowError) as exc:
+        # The core's message may start with the parameter's name (and value), which ours gives.
+        message = str(exc).removeprefix(f"{name} = {value!r} ").removeprefix(f"{name} ")
+        return message if "got" in message else f"{message} (got {value!r})"
+    return None
+
+
 def _index_parameter(name: str) -> Callable[[Any], Optional[str]]:
     """A parameter of :class:`icecache.HeadForest` whose range the core checks: an empty index
-    made with it says whether it is valid (so the limits live in one place)."""
+    made with it says whether it is valid."""
 
     def check(value: Any) -> Optional[str]:
         if isinstance(value, bool):
@@ -62,15 +72,22 @@ def _index_parameter(name: str) -> Callable[[Any], Optional[str]]:
             return f"must be a ratio in (0, 1) or a sequence of them, got {value!r}"
         from icecache import DCIIndex
 
-        try:
-            DCIIndex(1, **{name: value})
-        except (TypeError, ValueError, OverflowError) as exc:
-            # The core's message may start with the parameter's name, which ours already gives.
-            message = str(exc).removeprefix(f"{name} ")
-            return message if "got" in message else f"{message} (got {value!r})"
-        return None
+        return _core_refusal(name, value, lambda: DCIIndex(1, **{name: value}))
 
     return check
+
+
+def _page_size(value: Any) -> Optional[str]:
+    """A page size the core's forests accept, checked by a forest of one key."""
+    problem = _non_negative_int(value)
+    if problem is not None:
+        return problem
+    import numpy as np
+
+    from icecache import HeadForest
+
+    one_key = np.zeros((1, 1, 1), dtype=np.float32)
+    return _core_refusal("page_size", value, lambda: HeadForest(one_key, page_size=value, threads=1))
 
 
 def _device(value: Any) -> Optional[str]:
@@ -102,7 +119,7 @@ def _bool(value: Any) -> Optional[str]:
 # One check per field: it returns what is wrong with a value, or None. Every field has one.
 _FIELD_CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
     "budget": _non_negative_int,
-    "page_size": _non_negative_int,
+    "page_size": _page_size,
     "sink": _non_negative_int,
     "window": _non_negative_int,
     "full_layers": _non_negative_int,
@@ -251,8 +268,6 @@ class IceCacheConfig:
             problem = _FIELD_CHECKS[f.name](getattr(self, f.name))
             if problem is not None:
                 raise ValueError(f"IceCacheConfig.{f.name} {problem}")
-        if self.page_size not in _PAGE_SIZES:
-            raise ValueError(f"IceCacheConfig.page_size must be in 8..64, got {self.page_size}")
         if self.window < self.page_size or self.window % self.page_size:
             raise ValueError(
                 f"IceCacheConfig.window ({self.window}) must be a positive multiple of "
