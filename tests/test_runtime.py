@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import icecache  # noqa: E402
+from conftest import TINY, VOCAB  # noqa: E402
 from icecache.attend import attention_recall, ranked_decode_attention, sparse_decode_attention  # noqa: E402
 from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 from icecache.runtime.layer import IceLayer  # noqa: E402
@@ -41,34 +42,22 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-VOCAB = 128
-_TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=5,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-)
-
 
 def tiny_model(arch: str = "llama"):
     """A random-weight model of ``arch`` (seeded), float32, eval mode, plain SDPA attention."""
     torch.manual_seed(0)
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**_TINY))
+        model = LlamaForCausalLM(LlamaConfig(**TINY))
     elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**_TINY))
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY))
     elif arch == "qwen3":  # QK-norm before RoPE
-        model = Qwen3ForCausalLM(Qwen3Config(**_TINY))
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**_TINY, sliding_window=None))
+        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None))
     elif arch == "gemma3":
         # MQA, and sliding-window layers (window 24) between the full-attention layers.
         cfg = Gemma3TextConfig(
-            **{**_TINY, "num_hidden_layers": 6, "num_key_value_heads": 1},
+            **{**TINY, "num_hidden_layers": 6, "num_key_value_heads": 1},
             layer_types=["sliding_attention", "full_attention"] * 3,
             sliding_window=24,
             query_pre_attn_scalar=16,
