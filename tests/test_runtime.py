@@ -192,7 +192,7 @@ def pool_checks(monkeypatch):
     """Checks every pool (:func:`check_pool`) each time a layer's device step has applied a
     job (before the layer starts its next job); yields the list of page counts compared."""
     counts, layer_of = [], {}
-    open_step, step = IceLayer._open_step, DeviceStep.__call__
+    open_step, step = IceLayer._open_device_step, DeviceStep.__call__
 
     def opened(self, *args):
         device_step = open_step(self, *args)
@@ -204,7 +204,7 @@ def pool_checks(monkeypatch):
         counts.append(check_pool(layer_of[id(self)]))
         return out
 
-    monkeypatch.setattr(IceLayer, "_open_step", opened)
+    monkeypatch.setattr(IceLayer, "_open_device_step", opened)
     monkeypatch.setattr(DeviceStep, "__call__", stepped)
     return counts
 
@@ -1018,7 +1018,7 @@ def _dequantised_reference(layer, q, out):
     every token the layer holds: its valid sink and window tokens, and every offloaded token as
     the 8-bit CPU stores hold it, dequantised (the budget covers the context here)."""
     B, Hq, D = q.shape
-    H, scale = layer.heads, layer._step._scale
+    H, scale = layer.heads, layer._device_step._scale
     indexes = layer.indexes if layer.leader is None else layer.leader.indexes
     for b in range(B):
         keys = [layer.window.dense_kv[0, b].float()]
@@ -1057,7 +1057,7 @@ def test_int8_pages_attend_exactly_the_dequantised_tokens(reuse, lookahead, pool
 
     def checked_step(self, query, key, value, *args, **kwargs):
         out, res = step_call(self, query, key, value, *args, **kwargs)
-        layer = next(x for x in ice_layers(cache) if x._step is self)
+        layer = next(x for x in ice_layers(cache) if x._device_step is self)
         # A reusing layer runs after its leader started the next job, whose inserts it has not
         # applied yet: only leaders' indexes describe what their layer holds now.
         if layer.leader is None:
