@@ -13,27 +13,14 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import VOCAB, tiny_llama  # noqa: E402
 from icecache import cli  # noqa: E402
 from icecache.eval import agreement as ag  # noqa: E402
-
-VOCAB = 128
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama(num_hidden_layers=4, attn_implementation="sdpa")
 
 
 def _prompt(n, seed=0):

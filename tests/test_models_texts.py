@@ -13,6 +13,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import conftest
 import numpy as np
 import pytest
 from icecache import models, texts
@@ -362,21 +363,15 @@ def test_make_keys_synthetic(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return conftest.tiny_llama(
         hidden_size=96,
-        intermediate_size=128,
         num_hidden_layers=3,
         num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=256,
         attn_implementation="sdpa",
     )
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def test_capture_matches_sdpa_and_restores(tiny_llama):

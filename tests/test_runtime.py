@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import icecache  # noqa: E402
+from conftest import TINY, VOCAB  # noqa: E402
 from icecache.attend import attention_recall, ranked_decode_attention, sparse_decode_attention  # noqa: E402
 from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 from icecache.runtime.layer import IceLayer  # noqa: E402
@@ -41,34 +42,22 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-VOCAB = 128
-_TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=5,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-)
-
 
 def tiny_model(arch: str = "llama"):
     """A random-weight model of ``arch`` (seeded), float32, eval mode, plain SDPA attention."""
     torch.manual_seed(0)
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**_TINY))
+        model = LlamaForCausalLM(LlamaConfig(**TINY))
     elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**_TINY))
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY))
     elif arch == "qwen3":  # QK-norm before RoPE
-        model = Qwen3ForCausalLM(Qwen3Config(**_TINY))
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**_TINY, sliding_window=None))
+        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None))
     elif arch == "gemma3":
         # MQA, and sliding-window layers (window 24) between the full-attention layers.
         cfg = Gemma3TextConfig(
-            **{**_TINY, "num_hidden_layers": 6, "num_key_value_heads": 1},
+            **{**TINY, "num_hidden_layers": 6, "num_key_value_heads": 1},
             layer_types=["sliding_attention", "full_attention"] * 3,
             sliding_window=24,
             query_pre_attn_scalar=16,
@@ -203,7 +192,7 @@ def pool_checks(monkeypatch):
     """Checks every pool (:func:`check_pool`) each time a layer's device step has applied a
     job (before the layer starts its next job); yields the list of page counts compared."""
     counts, layer_of = [], {}
-    open_step, step = IceLayer._open_step, DeviceStep.__call__
+    open_step, step = IceLayer._open_device_step, DeviceStep.__call__
 
     def opened(self, *args):
         device_step = open_step(self, *args)
@@ -215,7 +204,7 @@ def pool_checks(monkeypatch):
         counts.append(check_pool(layer_of[id(self)]))
         return out
 
-    monkeypatch.setattr(IceLayer, "_open_step", opened)
+    monkeypatch.setattr(IceLayer, "_open_device_step", opened)
     monkeypatch.setattr(DeviceStep, "__call__", stepped)
     return counts
 
@@ -230,7 +219,7 @@ def pool_checks(monkeypatch):
         (dict(budget=48), r"at least 64"),
         (dict(window=24), r"window \(24\) must be a positive multiple of page_size \(16\)"),
         (dict(window=0), r"window"),
-        (dict(page_size=4, window=32), r"page_size must be in 8..64"),
+        (dict(page_size=4, window=32), r"page_size must be in 8\.\.=64"),
         (dict(reuse=0), r"reuse must be >= 1"),
         (dict(sink=-1), r"sink must be a non-negative int"),
         (dict(budget=256.0), r"budget must be a non-negative int"),
@@ -1029,7 +1018,7 @@ def _dequantised_reference(layer, q, out):
     every token the layer holds: its valid sink and window tokens, and every offloaded token as
     the 8-bit CPU stores hold it, dequantised (the budget covers the context here)."""
     B, Hq, D = q.shape
-    H, scale = layer.heads, layer._step._scale
+    H, scale = layer.heads, layer._device_step._scale
     indexes = layer.indexes if layer.leader is None else layer.leader.indexes
     for b in range(B):
         keys = [layer.window.dense_kv[0, b].float()]
@@ -1068,7 +1057,7 @@ def test_int8_pages_attend_exactly_the_dequantised_tokens(reuse, lookahead, pool
 
     def checked_step(self, query, key, value, *args, **kwargs):
         out, res = step_call(self, query, key, value, *args, **kwargs)
-        layer = next(x for x in ice_layers(cache) if x._step is self)
+        layer = next(x for x in ice_layers(cache) if x._device_step is self)
         # A reusing layer runs after its leader started the next job, whose inserts it has not
         # applied yet: only leaders' indexes describe what their layer holds now.
         if layer.leader is None:

@@ -107,7 +107,7 @@ def test_cuda_graphs_decode_like_the_eager_path(budget_mode, page_format):
     for graphs in (True, False):
         cache = IceCache(_paging_config(cuda_graphs=graphs, budget_mode=budget_mode, page_format=page_format), model)
         runs.append(run_steps(model, ids, cache, 40, attention_mask=mask))
-        assert all(bool(layer._step._graphs) == graphs for layer in ice_layers(cache))
+        assert all(bool(layer._device_step._graphs) == graphs for layer in ice_layers(cache))
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
 
 
@@ -141,7 +141,7 @@ def test_cuda_int8_pages_dequantise_on_the_device(reuse, pool_checks):  # noqa: 
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
     layers = ice_layers(cache)
-    assert all(bool(layer._step._graphs) for layer in layers)
+    assert all(bool(layer._device_step._graphs) for layer in layers)
     assert all(s.k.dtype == torch.uint8 for layer in layers for s in layer.stores)
     assert cache.stats.pages_loaded > 0 and sum(pool_checks) > 0
 
@@ -194,7 +194,7 @@ for i in range(4):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a capture that fell back to eager would warn
         got = run_steps(model, ids, cache, 30)
-    print(all(layer._step._graphs for layer in ice_layers(cache)), float((got - eager).abs().max()) < 1e-5)
+    print(all(layer._device_step._graphs for layer in ice_layers(cache)), float((got - eager).abs().max()) < 1e-5)
     del cache
 print(len(during) > 100, any(during))
 """,
@@ -221,7 +221,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     got = run_steps(model, ids, cache, 30)
 print(any("capture failed" in str(w.message) for w in caught))
-print(not any(layer._step._graphs for layer in ice_layers(cache)), float((got - eager).abs().max()) < 1e-5)
+print(not any(layer._device_step._graphs for layer in ice_layers(cache)), float((got - eager).abs().max()) < 1e-5)
 with torch.inference_mode():  # the full-cache layers' tensors are inference tensors
     cache.reset()
 print(float((run_steps(model, ids, cache, 30) - eager).abs().max()) < 1e-5)

@@ -30,6 +30,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 tp_config = pytest.importorskip("transformers.distributed")
 
+from conftest import tiny_llama_config  # noqa: E402
 from icecache.demo_tp import spawn_cpu  # noqa: E402
 from icecache.runtime import HeadShard, IceCache, IceCacheConfig, kv_heads_per_rank  # noqa: E402
 from icecache.runtime.layer import IceLayer  # noqa: E402
@@ -46,15 +47,11 @@ SMALL = IceCacheConfig(  # selects 12 of more pages, attends 3
 
 
 def _config(kv_heads: int = 4) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=128,
+    return tiny_llama_config(
         hidden_size=32 * kv_heads,
-        intermediate_size=128,
         num_hidden_layers=4,
         num_attention_heads=2 * kv_heads,
         num_key_value_heads=kv_heads,
-        head_dim=16,
-        max_position_embeddings=4096,
     )
 
 

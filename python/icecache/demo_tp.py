@@ -314,10 +314,10 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point: ``torchrun --nproc-per-node N -m icecache.demo_tp [options]``."""
-    from icecache import demo
+    from icecache.demo_args import add_arguments
 
     parser = argparse.ArgumentParser(prog="icecache demo --tp", description=__doc__.split("\n\n")[0])
-    demo.add_arguments(parser)
+    add_arguments(parser)
     args = parser.parse_args(argv)
     args.tp = int(os.environ.get("WORLD_SIZE", args.tp or 1))
     return run(args)

@@ -142,7 +142,7 @@ class Bridges:
         self._of_layer: Dict[int, Bridge] = {}
         # The decode position the decision was taken at, and whether that step is bridged.
         self._decided_at = -1
-        self._bridging = False
+        self._bridged = False
 
     def add(self, layer_idx: int, bridge: Bridge) -> None:
         self._of_layer[layer_idx] = bridge
@@ -156,23 +156,23 @@ class Bridges:
         """Layer ``layer_idx``'s bridge while it lasts."""
         return self._of_layer.get(layer_idx)
 
-    def bridging(self, position: int, pending: Sequence[Future]) -> bool:
-        """Whether the decode step at ``position`` still attends the prompt's whole cache: while
-        any prompt or catch-up job (``pending``) is unfinished, or more than
-        :data:`CATCH_UP_ON_THE_STEP` tokens per sequence wait for the index (those go to the
-        worker now). Decided once per step, at its first IceCache layer, so that every layer
-        leaves at the same step (a layer's first insert must not race the worker still writing
-        the pages of the layers that follow its layout)."""
+    def decide(self, position: int, pending: Sequence[Future]) -> bool:
+        """Decide whether the decode step at ``position`` still attends the prompt's whole cache,
+        and return that: it does while any prompt or catch-up job (``pending``) is unfinished,
+        or while more than :data:`CATCH_UP_ON_THE_STEP` tokens per sequence wait for the index,
+        which this call then hands to the worker. Decided once per step, at its first IceCache
+        layer, so that every layer leaves at the same step (a layer's first insert must not race
+        the worker still writing the pages of the layers that follow its layout)."""
         if position != self._decided_at:
             self._decided_at = position
-            decision = self._decide(pending)
+            decision = self._decision(pending)
             if decision is _Decision.CATCH_UP:
                 for bridge in self._of_layer.values():  # in layer order: a reuse group's leader first
                     bridge.submit_catch_up()
-            self._bridging = decision is not _Decision.LEAVE
-        return self._bridging
+            self._bridged = decision is not _Decision.LEAVE
+        return self._bridged
 
-    def _decide(self, pending: Sequence[Future]) -> _Decision:
+    def _decision(self, pending: Sequence[Future]) -> _Decision:
         if not all(f.done() for f in pending):
             return _Decision.BRIDGE
         # A failed job: leave, and the step raises its error.
@@ -192,4 +192,4 @@ class Bridges:
 
     def forget(self) -> None:
         """No bridges and no decision (a new prompt)."""
-        self._of_layer, self._decided_at, self._bridging = {}, -1, False
+        self._of_layer, self._decided_at, self._bridged = {}, -1, False

@@ -9,8 +9,6 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 __all__ = ["CALIBRATION_POSITIONS", "IceCacheConfig"]
 
-# HeadForest accepts pages of 8..=64 tokens.
-_PAGE_SIZES = range(8, 65)
 #: Default look-ahead superset: this many times the pages a step attends, and at least
 #: ``SUPERSET_MIN`` pages (see ``superset_pages``).
 SUPERSET_FACTOR = 4
@@ -51,9 +49,21 @@ def _effort(value: Any) -> Optional[str]:
     return f"must be > 0 and finite, got {value!r}"
 
 
+def _core_refusal(name: str, value: Any, make: Callable[[], Any]) -> Optional[str]:
+    """What the core says is wrong with ``value`` when ``make`` builds a throw-away object with
+    it, or None: so the limits live in one place."""
+    try:
+        make()
+    except (TypeError, ValueError, OverflowError) as exc:
+        # The core's message may start with the parameter's name (and value), which ours gives.
+        message = str(exc).removeprefix(f"{name} = {value!r} ").removeprefix(f"{name} ")
+        return message if "got" in message else f"{message} (got {value!r})"
+    return None
+
+
 def _index_parameter(name: str) -> Callable[[Any], Optional[str]]:
     """A parameter of :class:`icecache.HeadForest` whose range the core checks: an empty index
-    made with it says whether it is valid (so the limits live in one place)."""
+    made with it says whether it is valid."""
 
     def check(value: Any) -> Optional[str]:
         if isinstance(value, bool):
@@ -62,15 +72,22 @@ def _index_parameter(name: str) -> Callable[[Any], Optional[str]]:
             return f"must be a ratio in (0, 1) or a sequence of them, got {value!r}"
         from icecache import DCIIndex
 
-        try:
-            DCIIndex(1, **{name: value})
-        except (TypeError, ValueError, OverflowError) as exc:
-            # The core's message may start with the parameter's name, which ours already gives.
-            message = str(exc).removeprefix(f"{name} ")
-            return message if "got" in message else f"{message} (got {value!r})"
-        return None
+        return _core_refusal(name, value, lambda: DCIIndex(1, **{name: value}))
 
     return check
+
+
+def _page_size(value: Any) -> Optional[str]:
+    """A page size the core's forests accept, checked by a forest of one key."""
+    problem = _non_negative_int(value)
+    if problem is not None:
+        return problem
+    import numpy as np
+
+    from icecache import HeadForest
+
+    one_key = np.zeros((1, 1, 1), dtype=np.float32)
+    return _core_refusal("page_size", value, lambda: HeadForest(one_key, page_size=value, threads=1))
 
 
 def _device(value: Any) -> Optional[str]:
@@ -102,7 +119,7 @@ def _bool(value: Any) -> Optional[str]:
 # One check per field: it returns what is wrong with a value, or None. Every field has one.
 _FIELD_CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
     "budget": _non_negative_int,
-    "page_size": _non_negative_int,
+    "page_size": _page_size,
     "sink": _non_negative_int,
     "window": _non_negative_int,
     "full_layers": _non_negative_int,
@@ -134,11 +151,12 @@ class IceCacheConfig:
     The budget counts the tokens that enter the attention softmax per (layer, KV head, step):
     ``sink`` first tokens + up to ``window`` most recent tokens + the retrieved pages, at most
     ``(budget - sink - window) // page_size`` of them (semantic pages may be partly filled,
-    so the retrieved tokens can be fewer).
+    so the retrieved tokens can be fewer). The measurements behind the defaults and the opt-in
+    options are in benches/RESULTS.md, in the sections named below.
 
     Attributes:
         budget: tokens attended per step (see above).
-        page_size: tokens per semantic page (8..64).
+        page_size: tokens per semantic page (the range :class:`icecache.HeadForest` accepts).
         sink: first tokens of each sequence, always attended, kept on the device.
         window: most recent tokens, always attended, kept on the device; a multiple of
             ``page_size`` (when full, its oldest page of tokens moves to the index).
@@ -147,78 +165,65 @@ class IceCacheConfig:
         budget_mode: how each layer's pages are shared among its KV heads at a step.
             ``"adaptive"`` (default): the sequence's KV heads together attend
             ``H_kv * retrieved_pages`` pages, those with the largest share of their head's mass
-            over its candidate pages (exact group attention mass on the device;
-            :func:`icecache.attend.ranked_decode_attention`), so heads whose attention is spread
-            get more pages and peaked heads fewer (measured on prose and code the defaults were
-            not chosen on: higher recall at every budget, see benches/RESULTS.md). ``"fixed"``:
-            every KV head attends ``retrieved_pages``. The tokens attended per layer and the
-            device memory are the same in both modes. The candidates
-            are the device pool (look-ahead) or, with fresh selection, a superset of
-            ``selected_pages`` per head selected for the step.
+            over its candidate pages (:func:`icecache.attend.ranked_decode_attention`), so heads
+            whose attention is spread get more pages and peaked heads fewer. ``"fixed"``: every
+            KV head attends ``retrieved_pages``. Both attend as many tokens per layer and hold
+            the same device memory. The candidates are the device pool (look-ahead) or, with
+            fresh selection, a superset of ``selected_pages`` per head. Section "Adaptive
+            per-head page budgets".
         reuse: layer-reuse group size: groups of ``reuse`` consecutive IceCache layers share
             the first layer's page layout and page selection (1: off).
-        lookahead: select pages off the critical path (default). Each layer's pages for step
-            ``t + 1`` are selected on the host from step ``t``'s queries, by a native worker,
-            while the device computes; they wait in the device page pool, where step ``t + 1``
-            ranks them by their exact attention mass under its own queries and attends the
-            heaviest ``retrieved_pages``. ``False``: fresh selection, where every step sends its
-            queries to the host and waits for the selection (the exact reference, slower).
+        lookahead: select pages off the critical path (default): a native worker selects each
+            layer's pages for step ``t + 1`` on the host from step ``t``'s queries while the
+            device computes; step ``t + 1`` ranks them in the device page pool by their exact
+            attention mass under its own queries and attends the heaviest ``retrieved_pages``.
+            ``False``: fresh selection, each step waits for the host to select from its own
+            queries (the exact reference, slower).
         exact_until_indexed: decode from the prompt's whole cache on the device until every
-            layer's index is ready (default). The prefill builds the indexes on a worker thread,
-            which at long contexts finishes seconds after the prompt's forward; meanwhile each
-            decode step attends every token exactly, as a full cache does (the prompt's keys
-            and values stay on the device until then; the prefill pipeline holds them until the
-            worker has copied them anyway), so the first tokens come at the full cache's pace.
-            At the first step after every index is ready, the tokens decoded meanwhile go to the
-            index and the window, the prompt's device copy is freed and retrieval begins. That
-            step depends on how fast the host builds, so the tokens generated can differ
-            between runs and machines (each bridged step is exact, each later one retrieves);
-            ``False``: the first decode step waits for the indexes instead (reproducible, and
-            the prompt leaves the device as soon as it is copied).
+            layer's index, built on a worker thread, is ready (default), so the first tokens
+            come at the full cache's pace (the prefill pipeline holds the prompt's keys and
+            values on the device until the worker has copied them anyway). The first step after
+            that moves the tokens decoded meanwhile into the index and the window, frees the
+            prompt's device copy and starts retrieving; that step depends on how fast the host
+            builds, so the tokens generated can differ between runs and machines. ``False``: the
+            first decode step waits for the indexes (reproducible; the prompt leaves the device
+            as soon as it is copied). Section "Decode from the whole cache until the index is
+            ready".
         superset_pages: pages the look-ahead selects per (layer, KV head, step), ranked on the
-            device. Default: ``4 * retrieved_pages``, at least 32 (measured on real SmolLM2
-            attention, see benches/RESULTS.md: 4x at budget 256; small budgets need the floor).
-            Ignored with fresh selection and ``budget_mode="fixed"``.
-        successors: with look-ahead (fresh selection serves the step it selects for, so it uses
-            none), the weight of each query head's ``successors`` heaviest
+            device. Default: ``4 * retrieved_pages``, at least 32 (small budgets need the
+            floor). Ignored with fresh selection and ``budget_mode="fixed"``. Section "Quality of
+            look-ahead on real attention".
+        successors: with look-ahead, the weight of each query head's ``successors`` heaviest
             keys also goes to the page of the next position, so that a head copying text from
             the context (it attends one token further on at the next step) finds that page in
-            the superset (``HeadForest.select``'s ``successors``; 0: off).
+            the superset (``HeadForest.select``'s ``successors``; 0: off). Fresh selection
+            serves the step it selects for, so it uses none.
         refresh: with look-ahead, select a new superset every ``refresh`` steps (and at every
             step that moves a window page into the index); in between the device keeps ranking
             the pages it holds with each step's queries. 1: every step. Larger values cut the
-            host's work (see benches/RESULTS.md for the quality cost).
+            host's work at a quality cost (section "Quality of the cheaper selections").
         cuda_graphs: with look-ahead on CUDA, replay each layer's ranking and attention from
-            CUDA graphs (captured at the first steps): a few launches per layer and step instead
-            of about fifteen.
+            CUDA graphs captured at the first steps, so a step launches a few kernels per layer.
         pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
             across steps until evicted (least recently selected first). Default with
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
             supersets stay ranked too; with fresh selection ``budget // page_size`` (``"fixed"``)
             or ``superset_pages`` (``"adaptive"``).
         effort: the index's search effort (field of view), a number > 0 for every KV head, or
-            ``"auto"``: during prefill each IceCache layer keeps the queries of its last
-            ``CALIBRATION_POSITIONS`` prompt positions (every query head, post-RoPE, as the decode
-            steps' queries), and once its index is built (on the index worker, off the device's
-            path: the cost shows in the time until the index is ready) calibrates each KV head's
-            own effort on them (``HeadForest.calibrate``) for recall@``calibration_k`` with the
-            target and least effort of ``DCIIndex(effort="auto")`` (``AUTO_TARGET``,
-            ``AUTO_MIN_EFFORT``); selection then searches each head at its own effort. An index
-            built without prompt queries (a prompt within sink + window, whose index starts
-            at decode) keeps effort ``AUTO_MIN_EFFORT``; :meth:`IceCache.from_prefilled` has no
-            prompt queries and refuses ``"auto"``. Cost (benches/RESULTS.md): 0.4-0.6 s per
-            SmolLM2 layer at 4k tokens on one CPU core; at the Llama-8B shape and 32k tokens on
-            an H200 host, 26 s more before the first decode step, and slower steps at the higher
-            efforts chosen.
+            ``"auto"``: once a layer's index is built, the index worker calibrates each KV
+            head's effort (``HeadForest.calibrate``) on the queries of the last
+            ``CALIBRATION_POSITIONS`` prompt positions (every query head, post-RoPE) for
+            recall@``calibration_k``, with ``DCIIndex(effort="auto")``'s ``AUTO_TARGET`` and
+            ``AUTO_MIN_EFFORT``. An index built without prompt queries (a prompt within sink +
+            window) keeps ``AUTO_MIN_EFFORT``; :meth:`IceCache.from_prefilled` has none and
+            refuses ``"auto"``. Calibrating delays the first decode step, and the higher
+            efforts it picks slow the steps: section "The runtime calibrates at prefill".
         group_view: the query heads of each GQA group search one shared field of view (the
             cells each head ranks best, taken in turn, as many as one head's own view) instead
             of one each, so selection reads each KV head's keys in view once per step rather
             than once per query head (``HeadForest.select``'s ``group_view``). For host-bound
-            serving: measured on an H200 host (benches/RESULTS.md), a layer step's selections
-            for 8 sequences take 0.74x the time and decode at batch 8 x 32k runs at twice the
-            tokens/s; attention recall on SmolLM2 prose and code within 0.001 of one view per
-            head on average, but in one planted-line test (a 4k prompt, budget 256) the shared
-            view lost a token of the line that one view per head retrieves, so it is opt-in.
+            serving; opt-in because the shared view can miss tokens that one view per head
+            retrieves. Section "Batched decode: one field of view per GQA group".
         num_simple, num_composite, promotion, seed, threads: index parameters, passed
             to :class:`icecache.HeadForest` (``None``: the index's defaults). ``threads=None``
             is all cores in a single process; under ``torch.distributed`` with several ranks
@@ -226,14 +231,12 @@ class IceCacheConfig:
         device: where sinks, windows and the page pool live. Default: the model's device.
         page_format: how the host page stores hold the offloaded K and V. ``"native"``
             (default): the model's KV dtype. ``"int8"``: int8 codes with one float32 scale per
-            (KV head, token) row (``max |x| / 127``; every value within half a step, up to float32
-            rounding), about 0.53x the host bytes and PCIe bytes per page of bf16 at head dim 64
-            (``(D + 4) / (2 D)``); the device dequantises loaded pages into its pool (in the
-            model dtype), so attention reads the dequantised tokens. On SmolLM2 prose and code no
-            measurable loss of greedy agreement (benches/RESULTS.md). The index reads its keys
-            from these K rows (each key is stored once), so a sequence's host memory is about
-            0.6x its bf16 K and V; with ``"native"`` the index keeps the same int8 rows beside
-            the 16-bit pages.
+            (KV head, token) row (``max |x| / 127``; every value within half a step, up to
+            float32 rounding), ``(D + 4) / (2 D)`` of bf16's host and PCIe bytes per page; the
+            device dequantises loaded pages into its pool (in the model dtype), so attention
+            reads the dequantised tokens. The index reads its keys from these K rows (each key
+            is stored once); with ``"native"`` it keeps the same int8 rows beside the 16-bit
+            pages. Sections "8-bit host pages" and "Each key once".
     """
 
     budget: int = 256
@@ -265,8 +268,6 @@ class IceCacheConfig:
             problem = _FIELD_CHECKS[f.name](getattr(self, f.name))
             if problem is not None:
                 raise ValueError(f"IceCacheConfig.{f.name} {problem}")
-        if self.page_size not in _PAGE_SIZES:
-            raise ValueError(f"IceCacheConfig.page_size must be in 8..64, got {self.page_size}")
         if self.window < self.page_size or self.window % self.page_size:
             raise ValueError(
                 f"IceCacheConfig.window ({self.window}) must be a positive multiple of "

@@ -8,8 +8,9 @@ thread-local slot, and the attention function takes it from there:
 - no IceCache layer waiting (full-cache layers, sliding-window layers, other caches): plain
   transformers SDPA, so ``"icecache"`` is ``"sdpa"`` there, except that one-token steps on a
   GPU do not use cuDNN's SDPA backend: it builds a new execution plan for every new key length,
-  which cost ~10 ms of host time per layer and step on the H200 machine (torch 2.11), more
-  than the whole attention; the flash and memory-efficient kernels need no plan;
+  which costs more host time than the whole attention (benches/RESULTS.md, "GPU decode on the
+  H200, synchronous selection", under "What moved the figures"); the flash and memory-efficient
+  kernels need no plan;
 - an IceCache layer with its prompt: exact SDPA over the prompt, then the layer offloads and
   indexes it (the mask tells which positions are padding; with ``effort="auto"`` the layer
   also keeps the prompt's last queries, to calibrate its index on);

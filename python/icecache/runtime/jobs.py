@@ -39,8 +39,9 @@ class LayerJobs:
     def __init__(self, runtime: Runtime, layer_idx: int):
         self.runtime = runtime
         self.layer_idx = layer_idx
-        self._bufs: Optional[StepBuffers] = None
-        self._views: Optional[Tuple[StagingView, StagingView]] = None
+        # None until buffers() and _staging_views() make them.
+        self._made_buffers: Optional[StepBuffers] = None
+        self._made_views: Optional[Tuple[StagingView, StagingView]] = None
         self.forget()
 
     def forget(self) -> None:
@@ -54,9 +55,9 @@ class LayerJobs:
         """Empty stores (and index or history) for a prompt of these shapes."""
         cfg = self.runtime.config
         S = cfg.page_size
-        bufs = self._bufs
+        bufs = self._made_buffers
         if bufs is not None and (bufs.flush_k.shape != (batch, heads, S, dim) or bufs.flush_k.dtype != dtype):
-            self._bufs = self._views = None  # an earlier prompt's buffers, of other shapes
+            self._made_buffers = self._made_views = None  # an earlier prompt's buffers, of other shapes
         self.batch, self.heads, self.dim, self.dtype, self.device = batch, heads, dim, dtype, device
         self.staging = Staging.for_layer(
             batch=batch,
@@ -124,8 +125,8 @@ class LayerJobs:
     def host_nbytes(self) -> int:
         """Host bytes of the stores, the index or history, and the decode steps' buffers."""
         host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
-        if self._bufs is not None:
-            host += self._bufs.nbytes()
+        if self._made_buffers is not None:
+            host += self._made_buffers.nbytes()
         return host
 
     # -------------------------------------------------------------- prompt
@@ -144,8 +145,8 @@ class LayerJobs:
     def buffers(self) -> StepBuffers:
         """The layer's host buffers, made on first use (the query heads are known from the
         model config: ``runtime.query_heads``)."""
-        if self._bufs is None:
-            self._bufs = StepBuffers(
+        if self._made_buffers is None:
+            self._made_buffers = StepBuffers(
                 self.device,
                 self.batch,
                 self.heads,
@@ -155,14 +156,14 @@ class LayerJobs:
                 self.dtype,
                 self.staging.bytes,
             )
-            self._views = None
-        return self._bufs
+            self._made_views = None
+        return self._made_buffers
 
     def _staging_views(self) -> Tuple[StagingView, StagingView]:
         bufs = self.buffers()
-        if self._views is None:
-            self._views = (self.staging.view(bufs.staging), self.staging.view(bufs.device_staging))
-        return self._views
+        if self._made_views is None:
+            self._made_views = (self.staging.view(bufs.staging), self.staging.view(bufs.device_staging))
+        return self._made_views
 
     @property
     def host_staging(self) -> StagingView:
@@ -185,7 +186,7 @@ class LayerJobs:
                 f"{self.runtime.query_heads}"
             )
         self.lookahead = _core.LookAheadLayer(
-            self.runtime.worker,
+            self.runtime.lookahead_worker,
             bufs.queries.numpy(),
             bufs.flag.numpy(),
             numpy_view(bufs.flush_k),
@@ -206,7 +207,8 @@ class LayerJobs:
             self._reserve_first(b)
             self._lend(b)
 
-    def _native(self) -> _core.LookAheadLayer:
+    def _started_lookahead(self) -> _core.LookAheadLayer:
+        """:attr:`lookahead`, which decoding needs: raises before the first decode step."""
         if self.lookahead is None:
             raise RuntimeError(f"IceCache layer {self.layer_idx} has not started decoding")
         return self.lookahead
@@ -227,15 +229,15 @@ class LayerJobs:
             bufs.queries.copy_(query)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            self._native().start(flushed, history_lens=lens)
+            self._started_lookahead().start(flushed, history_lens=lens)
             return
         # The device step copied the queries and wrote the step number (behind the attention).
         self.steps += 1
-        self._native().start(flushed, step=self.steps, history_lens=lens)
+        self._started_lookahead().start(flushed, step=self.steps, history_lens=lens)
 
     def wait(self) -> _core.LookAheadOutcome:
         """The current job's outcome, once it has finished."""
-        return self._native().wait()
+        return self._started_lookahead().wait()
 
     def upload(self, o: _core.LookAheadOutcome, fresh: bool) -> Optional[torch.Tensor]:
         """Copy the job's staging (its used prefix) to the device, for the device step to apply;
@@ -273,14 +275,14 @@ class LayerJobs:
         """Wait for a job still running (its buffers must outlive it) and drop its outcome,
         then forget the prompt."""
         if self.lookahead is not None:
-            self.runtime.worker.cancel()
+            self.runtime.lookahead_worker.cancel()
             try:
                 self.lookahead.wait()
             except RuntimeError:
                 pass  # cancelled, or failed: forgotten either way
             self.lookahead.clear()
-        if self._bufs is not None:
-            self._bufs.forget_ahead()
+        if self._made_buffers is not None:
+            self._made_buffers.forget_ahead()
         self.forget()
 
 
@@ -331,7 +333,7 @@ class LeaderJobs(LayerJobs):
 
     def _lend(self, b: int) -> None:
         index = self.indexes[b]
-        self._native().set_lane(b, *self.stores[b].views(), forest=index.forest, resident=index.resident)
+        self._started_lookahead().set_lane(b, *self.stores[b].views(), forest=index.forest, resident=index.resident)
 
     def _reserve(self, flushed: List[int], most: int) -> None:
         self.page_bound = max(self.indexed_pages(b) for b in range(self.batch)) + most
@@ -387,7 +389,7 @@ class FollowerJobs(LayerJobs):
 
     def _lend(self, b: int) -> None:
         k_hist, v_hist = self.histories[b].views()
-        self._native().set_lane(b, *self.stores[b].views(), k_history=k_hist, v_history=v_hist)
+        self._started_lookahead().set_lane(b, *self.stores[b].views(), k_history=k_hist, v_history=v_hist)
 
     def _reserve(self, flushed: List[int], most: int) -> None:
         for b in range(self.batch):

@@ -84,7 +84,7 @@ class IceLayer(CacheLayerMixin):
         self.length = 0
         self.decoding = False
         self._prompt: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        self._step: Optional[DeviceStep] = None
+        self._device_step: Optional[DeviceStep] = None
         self._step_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     # ------------------------------------------------------------------ transformers API
@@ -128,7 +128,7 @@ class IceLayer(CacheLayerMixin):
             raise ValueError(f"batch size changed from {self.batch} to {key_states.shape[0]}")
         bridge = self.bridge
         if bridge is not None:
-            if self.runtime.bridging(self.length):
+            if self.runtime.decide_bridging(self.length):
                 bridge.append(key_states.to(self.device), value_states.to(self.device))
                 self.length += 1
                 self.runtime.stats.bridged_steps += 1
@@ -264,7 +264,7 @@ class IceLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ decode attention
 
-    def _open_step(self, query_heads: int, scale: float) -> DeviceStep:
+    def _open_device_step(self, query_heads: int, scale: float) -> DeviceStep:
         """The first decode step: the host jobs lend their buffers, and the device step is made."""
         cfg = self.runtime.config
         self.jobs.open_lanes(query_heads, scale)
@@ -295,8 +295,8 @@ class IceLayer(CacheLayerMixin):
         rt, cfg = self.runtime, self.runtime.config
         stats, jobs, w = rt.stats, self.jobs, self.window
         q = query[:, :, 0].to(self.device)
-        if self._step is None:
-            self._step = self._open_step(q.shape[1], scale)
+        if self._device_step is None:
+            self._device_step = self._open_device_step(q.shape[1], scale)
         t0 = rt.tick()
         if not cfg.lookahead or jobs.steps == 0:
             jobs.start(w.hand_to_job(), q, now=True)
@@ -316,7 +316,7 @@ class IceLayer(CacheLayerMixin):
             raise RuntimeError(f"IceCache layer {self.layer_idx}: attention without its update")
         k, v = self._step_kv
         staged = (outcome.loads, outcome.loads + outcome.clears)
-        out, res = self._step(q, k, v, pages, staged, keep=keep, want_lse=rt.track_recall)
+        out, res = self._device_step(q, k, v, pages, staged, keep=keep, want_lse=rt.track_recall)
         t3 = rt.tick()
         if rt.track_recall:
             if res is None:

@@ -107,39 +107,40 @@ class Runtime:
         self.transit = Transit(device)
         #: The layers' bridges (``IceCacheConfig.exact_until_indexed``) and when they end.
         self.bridges = Bridges()
-        self._index: Optional[ThreadPoolExecutor] = None
+        self._index_worker: Optional[ThreadPoolExecutor] = None
         self._pending: List[Future] = []
-        self._worker: Optional[_core.LookAhead] = None
-        self._graph_pool: Optional[Any] = None
-        self._copy_stream: Optional[Any] = None
+        # None until their accessors make them.
+        self._made_lookahead_worker: Optional[_core.LookAhead] = None
+        self._made_graph_pool: Optional[Any] = None
+        self._made_copy_stream: Optional[Any] = None
 
     @property
-    def worker(self) -> _core.LookAhead:
+    def lookahead_worker(self) -> _core.LookAhead:
         """The look-ahead worker (a native thread and pool), made on first use."""
-        if self._worker is None:
+        if self._made_lookahead_worker is None:
             # By default every core but one: the Python thread that drives the device needs one.
             threads = self.config.threads or max(1, (os.cpu_count() or 2) - 1)
-            self._worker = _core.LookAhead(threads)
-        return self._worker
+            self._made_lookahead_worker = _core.LookAhead(threads)
+        return self._made_lookahead_worker
 
     def graph_pool(self) -> Any:
         """One CUDA graph memory pool for every layer's graphs (they replay in stream order)."""
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return self._graph_pool
+        if self._made_graph_pool is None:
+            self._made_graph_pool = torch.cuda.graph_pool_handle()
+        return self._made_graph_pool
 
     def copy_stream(self) -> Any:
         """The side stream that early staging copies run on (``LayerJobs.upload_ahead``)."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        return self._copy_stream
+        if self._made_copy_stream is None:
+            self._made_copy_stream = torch.cuda.Stream(self.device)
+        return self._made_copy_stream
 
     def submit(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the index worker: one thread, jobs in submission order (so a
         reuse group's leader is indexed before the layers that follow its layout)."""
-        if self._index is None:
-            self._index = ThreadPoolExecutor(1, thread_name_prefix="icecache-index")
-        self._pending.append(self._index.submit(fn, *args))
+        if self._index_worker is None:
+            self._index_worker = ThreadPoolExecutor(1, thread_name_prefix="icecache-index")
+        self._pending.append(self._index_worker.submit(fn, *args))
 
     def wait_indexed(self, errors: bool = True) -> None:
         """Wait until every submitted prompt is offloaded and indexed. Decoding waits for all
@@ -158,10 +159,11 @@ class Runtime:
             self._pending.pop(0)
         self.stats.index_wait_s += time.perf_counter() - t
 
-    def bridging(self, position: int) -> bool:
-        """Whether the decode step at ``position`` still attends the prompt's whole cache
-        (:meth:`Bridges.bridging`, over the index worker's unfinished jobs)."""
-        return self.bridges.bridging(position, self._pending)
+    def decide_bridging(self, position: int) -> bool:
+        """Decide whether the decode step at ``position`` still attends the prompt's whole cache,
+        and return that (:meth:`Bridges.decide`, over the index worker's unfinished jobs: the
+        step's first layer decides, and may hand catch-up jobs to the worker)."""
+        return self.bridges.decide(position, self._pending)
 
     def leave_bridges(self) -> None:
         """Every layer leaves its bridge (:meth:`Bridges.leave`). Raises a failed prompt job's

@@ -7,7 +7,8 @@
 
 Only these buffers take part in DMA. The page stores are written and read by the CPU alone (the
 index build, inserts, the gather into staging), so they live in ordinary memory: pinning is
-slow on some hosts (the lent H200 pins 134 MB in 0.5 s) and buys nothing there.
+slow on some hosts and buys nothing there (benches/RESULTS.md, "GPU decode on the H200,
+synchronous selection", under "What moved the figures").
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ class StepBuffers:
 class Transit:
     """A reused host buffer that device tensors are copied into on a side stream.
 
-    Used by the index worker only (one thread): fresh host memory makes a device-to-host copy
-    ~10x slower (the lent H200: 113 ms vs 11 ms for 134 MB), so one buffer serves every layer.
+    Used by the index worker only (one thread): a device-to-host copy into fresh host memory is
+    far slower than into a reused buffer (benches/RESULTS.md, "GPU decode on the H200,
+    synchronous selection", under "What moved the figures"), so one buffer serves every layer.
 
     Args:
         device: the device the tensors come from.
