@@ -201,11 +201,12 @@ class IceCache(Cache):
         still running for the old prompt (indexing, look-ahead jobs) is waited for or
         cancelled, and its errors are forgotten."""
         self.runtime.wait_indexed(errors=False)
-        super().reset()
         for layer in self.layers:
             if isinstance(layer, DynamicLayer) and layer.is_initialized:
-                # transformers before 5.24 zeroes a dynamic layer's tensors instead of dropping
-                # them, and the next prompt would follow as many zero tokens.
+                # Dropped, not zeroed: transformers before 5.24 zeroes a dynamic layer's tensors
+                # (which fails on inference tensors, and the next prompt would follow as many
+                # zero tokens). Not initialised, the layer's own reset skips them.
                 layer.keys = layer.values = None
                 layer.is_initialized = False
+        super().reset()
         self.runtime.forget()

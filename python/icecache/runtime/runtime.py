@@ -174,9 +174,12 @@ class Runtime:
         self.stats.catch_up_s += time.perf_counter() - t
 
     def forget(self) -> None:
-        """Fresh counters and bridge state for a new prompt (the jobs must be finished)."""
+        """Fresh counters and bridge state for a new prompt (the jobs must be finished), and a
+        new graph pool for the graphs it captures: a layer whose shapes change drops its graphs,
+        and once every graph of a pool is gone, torch refuses a capture into that pool."""
         self.stats = RuntimeStats()
         self.bridges.forget()
+        self._made_graph_pool = None
 
     def tick(self) -> float:
         """A timestamp for the breakdown (after a device sync when :attr:`sync_timing`)."""
