@@ -6,8 +6,11 @@ The pipeline, stage by stage:
   usable on its own as an approximate nearest-neighbour index (inner product or L2);
 - ``HeadForest``: one M-DCI tree per KV head of a layer, its leaf cells laid out as semantic
   pages of the CPU KV store, with page selection (GQA union) and decode-time inserts;
-- ``ResidentPages`` and ``gather_pages``: which pages are on the device, and the gather of the
-  missing ones into one staging buffer for a single bulk host-to-device copy;
+- ``ResidentPages`` and ``gather_pages``: the load stage as standalone building blocks (which
+  pages are on the device; the gather of the missing ones into one staging buffer for a single
+  bulk host-to-device copy). The runtime does the same inside its look-ahead jobs, whose
+  staging writer (``LookAheadLayer``) plans and gathers a whole layer step in one core call;
+
 - ``IceCacheConfig``, ``IceCache`` and ``enable``: the KV-cache runtime for transformers 5.x
   (:mod:`icecache.runtime`; imported on first use, as it needs torch and transformers).
 """

@@ -398,7 +398,10 @@ def gather_pages(
     v_stage: npt.ArrayLike,
 ) -> None:
     """Copies page ``pages[i]`` of head ``heads[i]`` from the stores (``[H_kv, P, S, d]``) into row
-    ``i`` of the staging buffers (``[R, S, d]``, same dtype, ``R >= len(pages)``), in parallel."""
+    ``i`` of the staging buffers (``[R, S, d]``, same dtype, ``R >= len(pages)``), in parallel.
+    A standalone building block (benches, other runtimes): IceCache's runtime gathers inside its
+    look-ahead jobs (:class:`LookAheadLayer`), which also plan residency and write the staging
+    layout in the same call."""
 
 @final
 class LookAhead:
