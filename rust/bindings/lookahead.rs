@@ -220,7 +220,10 @@ impl PyLookAheadLayer {
             }
             let Lent { buf: sb, keep: sk, .. } = lend(staging, "staging")?;
             if !crate::pages::PAGE_SIZES.contains(&page_size) || max_pages == 0 {
-                return Err(PyValueError::new_err("page_size must be in 8..=64 and max_pages at least 1"));
+                return Err(PyValueError::new_err(format!(
+                    "page_size must be in {:?} and max_pages at least 1",
+                    crate::pages::PAGE_SIZES
+                )));
             }
             // `effort=None`: each KV head searches at its own effort (`HeadForest.efforts`).
             if !(scale.is_finite() && scale > 0.0 && effort.is_none_or(|e| e.is_finite() && e > 0.0)) {

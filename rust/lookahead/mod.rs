@@ -330,7 +330,12 @@ fn check_job(job: &Job) -> Result<()> {
         g.query_heads,
         g.heads
     );
-    ensure!(crate::pages::PAGE_SIZES.contains(&g.page_size), "page_size {} outside 8..=64", g.page_size);
+    ensure!(
+        crate::pages::PAGE_SIZES.contains(&g.page_size),
+        "page_size {} outside {:?}",
+        g.page_size,
+        crate::pages::PAGE_SIZES
+    );
     if let Some(r) = &job.ready {
         r.flag.slice::<i64>("flag")?;
         ensure!(r.flag.len() == 8, "the flag must be one int64");

@@ -310,7 +310,7 @@ impl HeadForest {
         page_size: usize,
         format: PageFormat,
     ) -> Result<HeadForest> {
-        ensure!(PAGE_SIZES.contains(&page_size), "page_size must be in 8..=64, got {page_size}");
+        ensure!(PAGE_SIZES.contains(&page_size), "page_size must be in {PAGE_SIZES:?}, got {page_size}");
         ensure!(cfg.metric == Metric::InnerProduct, "a HeadForest ranks by inner product (metric \"ip\")");
         ensure!(num_heads >= 1, "keys must have at least one head");
         cfg.validate()?;
