@@ -240,6 +240,10 @@ def test_lookahead_layer_selects_at_each_heads_own_effort():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="effort"):
             _core.LookAheadLayer(*args, **shape, effort=bad)
+    with pytest.raises(TypeError, match="effort"):
+        _core.LookAheadLayer(*args, **shape, effort=True)
+    with pytest.raises(TypeError, match="scale"):
+        _core.LookAheadLayer(*args, **{**shape, "scale": True})
     jobs = _core.LookAheadLayer(*args, **shape)  # effort=None: each head's own
     jobs.set_lane(0, k_store, v_store, forest=f, resident=ResidentPages(h_kv, 2 * m))
     differs = 0

@@ -242,23 +242,18 @@ pub(super) mod sizes {
     }
     reals!(effort: f32, target_recall: f64, min_effort: f32, max_effort: f32, scale: f32);
 
-    /// An optional effort: `None` (each index's own default) or a number.
-    pub(in crate::bindings) fn optional_effort(obj: &Bound<'_, PyAny>) -> PyResult<Option<f32>> {
-        if obj.is_none() {
-            Ok(None)
-        } else {
-            effort(obj).map(Some)
-        }
+    /// Optional real numbers: `None` (the callee's default: each index's own effort, the
+    /// scale `1/sqrt(d)`) passes through.
+    macro_rules! optional_reals {
+        ($($name:ident => $real:ident: $t:ty),* $(,)?) => {
+            $(
+                pub(in crate::bindings) fn $name(obj: &Bound<'_, PyAny>) -> PyResult<Option<$t>> {
+                    if obj.is_none() { Ok(None) } else { $real(obj).map(Some) }
+                }
+            )*
+        };
     }
-
-    /// An optional scale: `None` (the default `1/sqrt(d)`) or a number.
-    pub(in crate::bindings) fn optional_scale(obj: &Bound<'_, PyAny>) -> PyResult<Option<f32>> {
-        if obj.is_none() {
-            Ok(None)
-        } else {
-            scale(obj).map(Some)
-        }
-    }
+    optional_reals!(optional_effort => effort: f32, optional_scale => scale: f32);
 
     /// `DCIIndex`'s `effort`: a number, or `"auto"` (`None` here: calibrate on the first query).
     pub(in crate::bindings) fn effort_or_auto(obj: &Bound<'_, PyAny>) -> PyResult<Option<f32>> {
