@@ -121,7 +121,7 @@ def test_baselines_equal_the_full_cache_when_the_budget_covers_the_context(tiny,
 def test_icecache_equals_the_full_cache_when_the_budget_covers_the_context(tiny):
     ids = torch.randint(0, tiny.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(2))
     want, want_logits = _greedy(tiny, DynamicCache(config=tiny.config), ids)
-    settings = ruler.RulerSettings(sink=4, window=8, page_size=8, full_layers=1)
+    settings = ruler.RulerSettings(sink=4, window=8, page_size=8, full_layers=1, icecache={"page_format": "native"})
     got, logits = _greedy(tiny, IceCache(settings.ice_config(512), tiny), ids)
     assert got == want
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)

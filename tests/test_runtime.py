@@ -91,18 +91,26 @@ def left_padded(a: torch.Tensor, b: torch.Tensor):
 CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
-def run_steps(model, ids, cache, steps, attention_mask=None, after_step=None):
+def run_steps(model, ids, cache, steps, attention_mask=None, after_step=None, chunk=None, after_chunk=None):
     """Prompt forward then ``steps`` greedy one-token forwards; returns logits ``[B, steps+1, V]``.
 
     With a (left-padding) mask, positions count real tokens only, as ``generate`` does, so a
     padded sequence sees the same positions as when it runs alone. ``after_step()`` runs after
-    every decode step."""
+    every decode step. ``chunk``: the prompt goes in forwards of this many tokens (the last may
+    be shorter), ``after_chunk()`` running after each."""
     if attention_mask is None:
         attention_mask = torch.ones_like(ids)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out_logits = []
+    T = ids.shape[1]
+    chunk = chunk or T
     with torch.inference_mode():
-        out = model(ids, attention_mask=attention_mask, position_ids=positions, **{CACHE_KW: cache})
+        for at in range(0, T, chunk):
+            end = min(T, at + chunk)
+            kw = dict(attention_mask=attention_mask[:, :end], position_ids=positions[:, at:end])
+            out = model(ids[:, at:end], **kw, **{CACHE_KW: cache})
+            if after_chunk is not None:
+                after_chunk()
         logits = out.logits[:, -1]
         for _ in range(steps):
             out_logits.append(logits)
@@ -568,6 +576,7 @@ def test_budget_covering_context_equals_full_cache(arch, reuse, lookahead, budge
         lookahead=bool(lookahead),
         refresh=refresh,
         budget_mode=budget_mode,
+        page_format="native",  # exact: 16-bit pages
     )
     cache = IceCache(cfg, model)
     ice = run_steps(model, ids, cache, 32)
@@ -646,7 +655,8 @@ def test_lookahead_keeps_flushed_tokens_attended_until_inserted(pool_checks):
     model = tiny_model("llama")
     ids = prompt_ids(200, seed=11)
     full = run_steps(model, ids, DynamicCache(config=model.config), 70)
-    cache = IceCache(IceCacheConfig(budget=2048, full_layers=1, exact_until_indexed=False, window=16), model)
+    cfg = IceCacheConfig(budget=2048, full_layers=1, exact_until_indexed=False, window=16, page_format="native")
+    cache = IceCache(cfg, model)
     seen = []
 
     def after_step():
@@ -663,38 +673,43 @@ def test_lookahead_keeps_flushed_tokens_attended_until_inserted(pool_checks):
     assert [i for i, (_, m) in enumerate(seen) if m] == [16, 32, 48, 64]
 
 
-def _held_bridge_run(model, ids, mask, cfg, bridged_steps, steps):
+def _held_bridge_run(model, ids, mask, cfg, bridged_steps, steps, chunk=None):
     """Decode with the index worker held for the first ``bridged_steps`` steps (a job queued
     before the prompt's), then released, and its jobs (the prompt's, then the catch-up's)
-    waited for after every step; returns the logits, the cache and which layers were bridging
-    after each step."""
+    waited for after every step; returns the logits, the cache and each layer's bridge (or
+    ``None``) after each step. ``chunk``: the prompt goes in forwards of this many tokens."""
     released = threading.Event()
     cache = IceCache(cfg, model)
     cache.runtime.submit(released.wait, 60)
     bridging = []
 
     def after_step():
-        bridging.append([layer.bridging for layer in ice_layers(cache)])
+        bridging.append([layer.bridge for layer in ice_layers(cache)])
         if len(bridging) >= bridged_steps:
             released.set()
             cache.wait_indexed()
 
     try:
-        logits = run_steps(model, ids, cache, steps, attention_mask=mask, after_step=after_step)
+        logits = run_steps(model, ids, cache, steps, attention_mask=mask, after_step=after_step, chunk=chunk)
     finally:
         released.set()
     return logits, cache, bridging
 
 
-@pytest.mark.parametrize("reuse, page_format", [(1, "native"), (2, "native"), (2, "int8")])
-def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse, page_format):
+@pytest.mark.parametrize(
+    "reuse, page_format, chunk",
+    [(1, "native", None), (2, "native", None), (2, "int8", None), (1, "native", 64), (2, "int8", 50)],
+)
+def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse, page_format, chunk):
     """``exact_until_indexed``: while the index worker is held, decode steps attend each
     layer's whole cache, exactly as the full cache; at the first step after the index is
     ready, the tokens decoded meanwhile join the index (inserted, or for a sequence whose
     prompt fit in sink and window, the first build) and the window, and retrieval goes on
     exactly (the budget covers the context). Batch of two with left padding, one of them
     too short for a middle; with layer reuse the followers rewrite their pages; with 8-bit
-    pages the stores hold each token quantised (within half a step of its row's scale)."""
+    pages the stores hold each token quantised (within half a step of its row's scale). A
+    prompt in chunks bridges from the host: each step reads the prompt back, and the device
+    keeps only its positions from the first unindexed token on."""
     model = tiny_model("llama")
     a, b = prompt_ids(300, seed=13), prompt_ids(40, seed=14)
     ids, mask = left_padded(a, b)
@@ -702,7 +717,7 @@ def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse, page_fo
     full = run_steps(model, ids, full_cache, 60, attention_mask=mask)
     cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=reuse, page_format=page_format)
     held = 37
-    ice, cache, bridging = _held_bridge_run(model, ids, mask, cfg, held, 60)
+    ice, cache, bridging = _held_bridge_run(model, ids, mask, cfg, held, 60, chunk=chunk)
     bridged = held + 2  # the prompt's logits, then the bridged steps'
     torch.testing.assert_close(ice[:, :bridged], full[:, :bridged], rtol=1e-5, atol=1e-5)
     if page_format == "native":
@@ -716,6 +731,11 @@ def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse, page_fo
     # The step after the release hands the backlog (the prompt's window and 37 tokens, less a
     # window) to the worker and bridges on; the next one leaves the bridge.
     assert all(all(step) for step in bridging[: held + 1]) and not any(any(step) for step in bridging[held + 1 :])
+    for bridge in bridging[0]:
+        if chunk is None:
+            assert bridge.host is None and bridge.start == 0
+        else:  # the device part: from the longer sequence's window on (its middle is indexed)
+            assert bridge.host is not None and bridge.start == ids.shape[1] - cfg.window
     assert cache.stats.bridged_steps == (held + 1) * len(layers)
     for layer in layers:
         layer.jobs.wait()  # the look-ahead job of the next step has inserted too
@@ -730,8 +750,8 @@ def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse, page_fo
             for h in range(layer.heads):  # the stores hold each offloaded token in its page
                 page, slot = (torch.from_numpy(x).long() for x in index.forest.token_map(h))
                 stored, want = stored_k[h, page, slot], real[h, s : s + len(page)]
-                if page_format == "native":
-                    torch.testing.assert_close(stored, want, rtol=0, atol=0)
+                if page_format == "native":  # in chunks: another attention kernel's rounding
+                    torch.testing.assert_close(stored, want, rtol=0, atol=0 if chunk is None else 1e-6)
                 else:
                     step = want.abs().amax(-1, keepdim=True) / 127
                     assert ((stored - want).abs() <= step * 0.5001 + 1e-7).all()
@@ -781,7 +801,7 @@ def test_worker_error_surfaces_at_the_next_step_and_reset_recovers():
     the pages it must gather) raises at the step that needs its outcome, and again at the
     steps after; reset recovers and the cache serves the prompt again."""
     model = tiny_model("llama")
-    cfg = IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=False)
+    cfg = IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=False, page_format="native")
     cache = IceCache(cfg, model)
     ids = prompt_ids(300, seed=12)
     reference = run_steps(model, ids, IceCache(cfg, model), 4)
@@ -945,7 +965,9 @@ def test_effort_auto_calibrates_each_leader_on_its_prompt_queries(monkeypatch):
 
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", seen)
     monkeypatch.setattr(PageIndex, "calibrate", recorded)
-    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=2, effort="auto", exact_until_indexed=False)
+    cfg = IceCacheConfig(
+        budget=1024, full_layers=1, reuse=2, effort="auto", exact_until_indexed=False, page_format="native"
+    )
     cache = IceCache(cfg, model)
     ice = run_steps(model, ids, cache, 20, attention_mask=mask)
     torch.testing.assert_close(ice, full, rtol=1e-4, atol=1e-4)
@@ -974,17 +996,177 @@ def test_prompt_shorter_than_sink_and_window():
     model = tiny_model("llama")
     ids = prompt_ids(20, seed=7)
     full = run_steps(model, ids, DynamicCache(config=model.config), 40)
-    ice = run_steps(model, ids, IceCache(IceCacheConfig(budget=512, full_layers=0), model), 40)
+    ice = run_steps(model, ids, IceCache(IceCacheConfig(budget=512, full_layers=0, page_format="native"), model), 40)
     torch.testing.assert_close(ice, full, rtol=1e-4, atol=1e-4)
 
 
-def test_chunked_prefill_is_refused():
+def test_several_tokens_after_the_first_decode_step_are_refused():
     model = tiny_model("llama")
     cache = IceCache(IceCacheConfig(full_layers=1), model)
     with torch.inference_mode():
         model(prompt_ids(100), cache=cache)
+        model(prompt_ids(1), cache=cache)
         with pytest.raises(NotImplementedError, match="one token per step"):
             model(prompt_ids(10), cache=cache)
+
+
+@pytest.mark.parametrize(
+    "chunk, lookahead, reuse, page_format, padded",
+    [
+        (64, True, 1, "native", False),
+        (37, False, 1, "native", False),  # not a multiple of the page size
+        (1000, True, 1, "native", False),  # longer than the prompt: one chunk
+        (50, True, 2, "native", True),  # layer reuse, left-padded batch
+        (64, True, 1, "int8", True),
+        (1, True, 1, "native", False),  # one-token forwards: decode steps
+    ],
+)
+def test_chunked_prefill_equals_one_forward_full_cache(chunk, lookahead, reuse, page_format, padded):
+    """A prompt in chunks, then decoding, gives the full cache's logits (one forward) at a
+    budget covering the context; between chunks an IceCache layer holds on the device only its
+    sink, window and page pool (and the first chunk, until a second comes)."""
+    model = tiny_model("llama")
+    if padded:
+        ids, mask = left_padded(prompt_ids(300, seed=4), prompt_ids(170, seed=5))
+    else:
+        ids, mask = prompt_ids(300), None
+    steps = 24
+    full = run_steps(model, ids, DynamicCache(config=model.config), steps, attention_mask=mask)
+    cfg = IceCacheConfig(
+        budget=1024, full_layers=1, lookahead=lookahead, reuse=reuse, page_format=page_format, exact_until_indexed=False
+    )
+    cache = IceCache(cfg, model)
+    held = []
+
+    def count_device_bytes():
+        layers = ice_layers(cache)
+        fixed = [layer.nbytes()["device"] for layer in layers]
+        first = [0 if layer._first_chunk is None else 2 * layer._first_chunk[0].nbytes for layer in layers]
+        held.append((fixed, first))
+
+    ice = run_steps(model, ids, cache, steps, attention_mask=mask, chunk=chunk, after_chunk=count_device_bytes)
+    tol = 2e-2 if page_format == "int8" else 1e-4
+    torch.testing.assert_close(ice, full, rtol=tol, atol=tol)
+    layers = ice_layers(cache)
+    layer = layers[0]
+    bound = 2 * sum(t.numel() * t.element_size() for t in (layer.pool_kv[0], layer.window.dense_kv[0]))
+    for i, (fixed, first) in enumerate(held):
+        for f, c in zip(fixed, first):
+            assert f - c <= bound, f"chunk {i}: {f - c} device bytes held beyond the bound {bound}"
+            if i > 0:
+                assert c == 0, "the first chunk is still held after the second"
+    for layer in layers:
+        assert layer.prefix.length == 0  # the host copy is dropped once decoding starts
+        for b in range(ids.shape[0]):
+            index = (layer.indexes if layer.leader is None else layer.leader.indexes)[b]
+            real = int(ids.shape[1] if mask is None else mask[b].sum())
+            layer.jobs.wait()
+            w = layer.window
+            assert w.sink_len[b] + len(index.forest) + w.win_len[b] - w.in_job[b] == real + steps
+
+
+def _chunked_reuse_after(model, cache, ids, full):
+    """After a failed prefill: ``reset()`` leaves no worker job and no host prompt behind, and
+    the cache serves the prompt again, in chunks, as the full cache does."""
+    cache.reset()
+    assert not cache.runtime._pending
+    assert all(layer.prefix.length == 0 and layer.bridge is None for layer in ice_layers(cache))
+    torch.testing.assert_close(run_steps(model, ids, cache, 8, chunk=64), full, rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_beyond_host_memory_raises_memory_error_first(monkeypatch):
+    """A prompt chunk whose host bytes (for every served layer) exceed the available memory
+    raises MemoryError naming both, before the chunk is taken (each chunk checks the prompt so
+    far against the memory available when it began); reset() then recovers."""
+    from icecache.runtime import hostmem
+
+    model = tiny_model("llama")
+    ids = prompt_ids(300)
+    full = run_steps(model, ids, DynamicCache(config=model.config), 8)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, exact_until_indexed=False, page_format="native")
+    cache = IceCache(cfg, model)
+    text = model.config
+    per_token = hostmem.bytes_per_token(text.num_key_value_heads, text.head_dim, torch.float32, "native")
+    layers = cache.runtime.served_layers
+    monkeypatch.setattr(hostmem, "available_bytes", lambda: 200 * per_token * layers)
+    for chunk in (None, 64):  # the whole prompt does not fit; the first three chunks do
+        with pytest.raises(MemoryError, match=r"GiB of host memory .* GiB were available"):
+            run_steps(model, ids, cache, 8, chunk=chunk)
+        # Nothing of the failing chunk was taken.
+        assert all(layer.prefix.length == (0 if chunk is None else 192) for layer in ice_layers(cache))
+        cache.reset()
+    monkeypatch.undo()
+    _chunked_reuse_after(model, cache, ids, full)
+
+
+def test_out_of_device_memory_mid_prefill_surfaces_and_reset_recovers(monkeypatch):
+    """A device out-of-memory error while a later chunk reads the prompt back surfaces as that
+    error; reset() then leaves nothing behind and the cache serves again."""
+    from icecache.runtime.prefix import HostPrefix
+
+    model = tiny_model("llama")
+    ids = prompt_ids(300)
+    full = run_steps(model, ids, DynamicCache(config=model.config), 8)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, exact_until_indexed=False, page_format="native")
+    cache = IceCache(cfg, model)
+    to_device, calls = HostPrefix.to_device, []
+
+    def failing(self, chunk):
+        calls.append(chunk)
+        if len(calls) == 5:
+            raise torch.OutOfMemoryError("simulated: out of device memory")
+        return to_device(self, chunk)
+
+    monkeypatch.setattr(HostPrefix, "to_device", failing)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        run_steps(model, ids, cache, 8, chunk=64)
+    monkeypatch.undo()
+    _chunked_reuse_after(model, cache, ids, full)
+
+
+def test_generate_prefill_chunk_size_and_default_chunk():
+    """``generate(prefill_chunk_size=N)`` feeds IceCache in chunks; an IceCache sets its default
+    chunk on a model whose generation config has none, and greedy output equals the full cache's."""
+    model = tiny_model("llama")
+    ids = prompt_ids(300)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        full = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
+        cfg = IceCacheConfig(budget=1024, full_layers=1, exact_until_indexed=False, prefill_chunk=48)
+        cache = IceCache(cfg, model)
+        assert model.generation_config.prefill_chunk_size == 48
+        ice = model.generate(ids, cache=cache, **kw)
+        assert torch.equal(ice, full)
+        assert ice_layers(cache)[0]._chunks > 1
+        cache = IceCache(cfg, model)
+        ice = model.generate(ids, cache=cache, prefill_chunk_size=100, **kw)
+        assert torch.equal(ice, full)
+        assert ice_layers(cache)[0]._chunks == 3
+
+
+def test_chunk_attention_equals_masked_attention():
+    """The chunk kernel (lower-right causal, left padding cut off, one call per GQA head) equals
+    SDPA with transformers' explicit mask."""
+    from icecache.attend.chunk import chunk_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, L, T, D = 2, 6, 2, 5, 13, 8
+    q = torch.randn(B, Hq, L, D, generator=g)
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :4] = False
+    causal = torch.arange(T)[None, :] <= torch.arange(T - L, T)[:, None]
+    for mask in (None, valid):
+        allowed = causal[None] & (mask[:, None, :] if mask is not None else True)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1), attn_mask=allowed[:, None]
+        ).transpose(1, 2)
+        got = chunk_attention(q, k, v, mask, D**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    holes = valid.clone()
+    holes[0, 7] = False
+    with pytest.raises(ValueError, match="left padding"):
+        chunk_attention(q, k, v, holes, D**-0.5)
 
 
 def test_demo_chunked_prefill_matches_one_forward():
@@ -1294,7 +1476,8 @@ def test_gemma3_real_model_exact_and_retrieves_passkey(gemma3):
     """Real Gemma-3-270M: MQA, head dim 256, sliding window 512 on five of every six layers.
     IceCache (full_layers=0) serves exactly the three full-attention layers; with the budget
     covering the context it equals the full cache on a prompt longer than the sliding window;
-    on a short passkey prompt budget 128 retrieves the key whenever the full cache does."""
+    on a short passkey prompt budget 128 retrieves the key whenever the full cache does, with
+    8-bit and 16-bit host pages."""
     from icecache import demo
 
     model, tokenizer = gemma3
@@ -1307,14 +1490,15 @@ def test_gemma3_real_model_exact_and_retrieves_passkey(gemma3):
     n = ids.shape[1]
     assert n > 1200 and prompt.needle_token < n // 4
     full = run_steps(model, ids, DynamicCache(config=model.config), 6)
-    cache = IceCache(IceCacheConfig(budget=2048, full_layers=0), model)
+    cache = IceCache(IceCacheConfig(budget=2048, full_layers=0, page_format="native"), model)
     ice = run_steps(model, ids, cache, 6)
     assert [layer.layer_idx for layer in ice_layers(cache)] == [5, 11, 17]
     torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
     answer = tokenizer.decode(full[0].argmax(-1))
     assert prompt.is_correct(answer), answer  # the full cache solves it
 
-    small = IceCache(IceCacheConfig(budget=128, full_layers=0, exact_until_indexed=False), model)
-    got = tokenizer.decode(run_steps(model, ids, small, 6)[0].argmax(-1))
-    print(f"\nGemma-3-270M {n}-token passkey: full {answer!r}, IceCache 128 {got!r}")
-    assert prompt.is_correct(got), got
+    for page_format in ("int8", "native"):
+        cfg = IceCacheConfig(budget=128, full_layers=0, exact_until_indexed=False, page_format=page_format)
+        got = tokenizer.decode(run_steps(model, ids, IceCache(cfg, model), 6)[0].argmax(-1))
+        print(f"\nGemma-3-270M {n}-token passkey: full {answer!r}, IceCache 128 {page_format} {got!r}")
+        assert prompt.is_correct(got), got

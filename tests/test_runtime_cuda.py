@@ -59,6 +59,27 @@ def test_cuda_budget_covering_context_matches_full_cache(dtype, lookahead):
         assert (ice.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("page_format", ["native", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_chunked_prefill_matches_full_cache(dtype, page_format):
+    """A left-padded batch in chunks of 64 (the earlier tokens streamed back from pinned host
+    memory, on the copy stream) then 40 decode steps, at a budget covering the context, against
+    the full cache in one forward; in bf16 within the full cache's own difference between chunked
+    and one-forward prefill."""
+    model = tiny_model("llama").cuda().to(dtype)
+    ids, mask = _padded_batch()
+    full = run_steps(model, ids, DynamicCache(config=model.config), 40, attention_mask=mask)
+    full_chunked = run_steps(model, ids, DynamicCache(config=model.config), 40, attention_mask=mask, chunk=64)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, page_format=page_format, exact_until_indexed=False)
+    ice = run_steps(model, ids, IceCache(cfg, model), 40, attention_mask=mask, chunk=64)
+    if dtype == torch.float32 and page_format == "native":
+        torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
+    else:
+        own = (full_chunked - full).abs().max().item()
+        err = (ice - full).abs().max().item()
+        assert err <= max(2 * own, 0.05 if page_format == "int8" else 1e-2), (err, own)
+
+
 @pytest.mark.parametrize("reuse, lookahead", [(1, True), (2, True), (1, False)])
 def test_cuda_pages_move_through_pinned_staging(reuse, lookahead, pool_checks):  # noqa: F811
     model = tiny_model("llama").cuda().to(torch.bfloat16)
@@ -146,16 +167,47 @@ def test_cuda_int8_pages_dequantise_on_the_device(reuse, pool_checks):  # noqa: 
     assert cache.stats.pages_loaded > 0 and sum(pool_checks) > 0
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_cuda_chunk_attention_matches_masked_attention(split, monkeypatch):
+    """The chunk kernel on the GPU (cuDNN's split call merged by log-sum-exp, or the lower-right
+    mask) equals float32 attention with transformers' explicit mask, in bf16's precision."""
+    from icecache.attend import chunk
+
+    monkeypatch.setattr(chunk, "_cudnn_works", None if split else False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, Hq, Hkv, L, T, D = 2, 8, 2, 256, 1000, 128
+    q = torch.randn(B, Hq, L, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    valid = torch.ones(B, T, dtype=torch.bool, device="cuda")
+    valid[1, :300] = False
+    causal = torch.arange(T, device="cuda")[None, :] <= torch.arange(T - L, T, device="cuda")[:, None]
+    for mask in (None, valid):
+        allowed = causal[None] & (mask[:, None, :] if mask is not None else True)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.float(),
+            k.float().repeat_interleave(Hq // Hkv, 1),
+            v.float().repeat_interleave(Hq // Hkv, 1),
+            attn_mask=allowed[:, None],
+        ).transpose(1, 2)
+        got = chunk.chunk_attention(q, k, v, mask, D**-0.5)
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    assert chunk._cudnn_works is (True if split else False)
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_bridge_is_exact_then_hands_over(dtype):
+def test_cuda_bridge_is_exact_then_hands_over(dtype, chunk):
     """``exact_until_indexed`` on the GPU: steps with the index worker held attend the whole
-    cache as the full cache does; after the hand-over, retrieval with CUDA graphs, the budget
-    covering the context, stays exact."""
+    cache as the full cache does (a prompt in chunks: read back from pinned host memory at each
+    step, the next layer's on the copy stream); after the hand-over, retrieval with CUDA graphs,
+    the budget covering the context, stays exact."""
     model = tiny_model("llama").cuda().to(dtype)
     ids, mask = _padded_batch()
     full = run_steps(model, ids, DynamicCache(config=model.config), 40, attention_mask=mask)
     cfg = IceCacheConfig(budget=1024, full_layers=1)
-    ice, cache, bridging = _held_bridge_run(model, ids, mask, cfg, 17, 40)
+    ice, cache, bridging = _held_bridge_run(model, ids, mask, cfg, 17, 40, chunk=chunk)
+    assert all((bridge.host is not None) == (chunk is not None) for bridge in bridging[0])
     assert [all(step) for step in bridging] == [True] * 18 + [False] * 22  # the 18th hands 17 tokens to the worker
     if dtype == torch.float32:
         torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)

@@ -40,7 +40,7 @@ RANKS = 2
 PROMPT = 300
 STEPS = 20
 # Each rank would leave the bridge at its own step: reproducible runs wait for the index.
-EXACT = IceCacheConfig(budget=1024, full_layers=1, exact_until_indexed=False)  # every page fits: exact
+EXACT = IceCacheConfig(budget=1024, full_layers=1, exact_until_indexed=False, page_format="native")  # exact
 SMALL = IceCacheConfig(  # selects 12 of more pages, attends 3
     budget=96, full_layers=0, superset_pages=12, exact_until_indexed=False
 )

@@ -14,10 +14,10 @@ _registered: set = set()
 _register_lock = threading.Lock()
 
 
-def register_attention(name: str, attention: Callable[..., Any]) -> None:
+def register_attention(name: str, attention: Callable[..., Any], mask: Optional[Callable[..., Any]] = None) -> None:
     """Register ``attention`` as transformers attention implementation ``name`` (once), with
-    transformers' SDPA mask function under the same name: without a mask function registered
-    for it, the mask an attention function receives is silently ``None``."""
+    ``mask`` (default: transformers' SDPA mask function) as its mask function: without a mask
+    function registered for it, the mask an attention function receives is silently ``None``."""
     with _register_lock:
         if name in _registered:
             return
@@ -25,7 +25,7 @@ def register_attention(name: str, attention: Callable[..., Any]) -> None:
         from transformers.masking_utils import sdpa_mask
 
         AttentionInterface.register(name, attention)
-        AttentionMaskInterface.register(name, sdpa_mask)
+        AttentionMaskInterface.register(name, sdpa_mask if mask is None else mask)
         _registered.add(name)
 
 

@@ -2,7 +2,9 @@
 cache on the device until every index is ready, then the layers leave it together.
 
 Per layer, a :class:`Bridge` holds the prompt's keys and values with the tokens decoded since
-and moves the tokens that left the window into the index: by catch-up jobs on the index
+(on the device, or, for a prompt that came in chunks, mostly on the host, streamed back to the
+device layer by layer at each step, as the chunks' attention read it) and moves the tokens that
+left the window into the index: by catch-up jobs on the index
 worker while the bridge goes on, and the last few itself when it ends. :class:`Bridges`, one
 per cache, decides once per step whether that step is bridged, so that every layer leaves at
 the same step (docs/ARCHITECTURE.md, section Runtime).
@@ -16,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from icecache.runtime.prefix import HostPrefix
 from icecache.runtime.transfer import Transit
 from icecache.runtime.window import DeviceWindow
 
@@ -29,20 +32,25 @@ CATCH_UP_ON_THE_STEP = 16
 
 
 class Bridge:
-    """A layer's whole cache on the device while the indexes are built: the prompt's keys and
-    values with the tokens decoded since, ``[B, H_kv, T + t, D]``, attended as a full cache does.
+    """A layer's whole cache while the indexes are built: the prompt's keys and values with the
+    tokens decoded since, ``[B, H_kv, T + t, D]``, attended as a full cache does.
 
     Args:
-        k, v: the prompt's keys and values on the device.
+        k, v: the prompt's keys and values on the device from position ``T - k.shape[-2]`` on
+            (all of them when ``host`` is ``None``); decode steps append to them.
         valid: ``[B, T]`` real (non-padding) prompt positions, or ``None`` for all.
         unindexed: per sequence, the first real token the index does not hold (the prompt's
-            window; catch-up jobs move it on).
+            window; catch-up jobs move it on). Its position must be on the device.
         padding: per sequence, the prompt's padding positions.
         window: the layer's device window, which takes the last tokens when the bridge ends.
         catch_up: puts sequence ``b``'s tokens ``[H_kv, c, D]`` (CPU) into its index, in
             position order after those indexed before (the layer's jobs).
         submit: runs a function on the runtime's index worker.
         transit: the runtime's host buffer for device-to-host copies on that worker.
+        host: the whole prompt in host memory (a chunked prefill's :class:`HostPrefix`), whose
+            positions before ``k``'s each step reads back to the device (:meth:`attended`), so
+            that the device holds the prompt of one layer at a time; ``None``: ``k`` and ``v``
+            hold the whole prompt.
     """
 
     def __init__(
@@ -57,26 +65,64 @@ class Bridge:
         catch_up: Callable[[int, torch.Tensor, torch.Tensor], None],
         submit: Callable[..., None],
         transit: Transit,
+        host: Optional[HostPrefix] = None,
     ):
-        self.k, self.v, self.valid = k, v, valid
+        self.k, self.v, self.valid, self.host = k, v, valid, host
+        #: The first position that ``k`` and ``v`` hold.
+        self.start = 0 if host is None else host.length - k.shape[-2]
         self.unindexed, self.padding = unindexed, padding
         self._window, self._catch_up, self._submit, self._transit = window, catch_up, submit, transit
 
+    @property
+    def length(self) -> int:
+        """Positions so far, padding included."""
+        return self.start + self.k.shape[-2]
+
     def real(self, b: int) -> int:
         """Sequence ``b``'s real tokens so far."""
-        return self.k.shape[-2] - self.padding[b]
+        return self.length - self.padding[b]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k = torch.cat([self.k, k], dim=-2)
         self.v = torch.cat([self.v, v], dim=-2)
 
-    def tokens(self, b: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Sequence ``b``'s real tokens ``[H_kv, n, D]``, keys and values."""
+    def attended(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The whole cache on the device, keys and values ``[B, H_kv, T + t, D]``: with a host
+        prompt, a buffer of this step (the prompt read back, then the device part)."""
+        host = self.host
+        if host is None:
+            return self.k, self.v
+        buf = host.to_device(self.length - host.length)
+        # From start on, the device part: the prompt's last positions again (the same values),
+        # then the decoded tokens.
+        buf[0, :, :, self.start :], buf[1, :, :, self.start :] = self.k, self.v
+        return buf[0], buf[1]
+
+    def prefetch(self, stream: "torch.cuda.Stream") -> None:
+        """Start reading the host prompt back for this layer's next :meth:`attended`, one token
+        longer than now, on ``stream`` (the layer before calls it)."""
+        if self.host is not None:
+            self.host.prefetch(self.length + 1 - self.host.length, stream)
+
+    def nbytes(self) -> dict:
+        """Bytes held on the device (the device part) and in host memory (the host prompt)."""
+        device = 2 * self.k.numel() * self.k.element_size()
+        return {"device": device, "host": 0 if self.host is None else self.host.nbytes()}
+
+    def since(self, b: int, first: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``b``'s real tokens from its ``first`` one on, ``[H_kv, n, D]`` on the device,
+        keys and values."""
         kb, vb = self.k[b], self.v[b]
         if self.valid is None or bool(self.valid[b].all()):
-            return kb, vb
+            at = first - self.start  # real tokens are positions
+            if at < 0:
+                raise RuntimeError(f"bridge: token {first} of sequence {b} is not on the device")
+            return kb[:, at:], vb[:, at:]
         T = self.valid.shape[1]
-        idx = torch.cat([self.valid[b].nonzero()[:, 0], torch.arange(T, kb.shape[1], device=self.valid.device)])
+        real = torch.cat([self.valid[b].nonzero()[:, 0], torch.arange(T, self.length, device=self.valid.device)])
+        idx = real[first:] - self.start
+        if idx.numel() and int(idx[0]) < 0:
+            raise RuntimeError(f"bridge: token {first} of sequence {b} is not on the device")
         idx = idx.to(kb.device)
         return kb[:, idx], vb[:, idx]
 
@@ -95,8 +141,8 @@ class Bridge:
             first = self.unindexed[b]
             c = self.real(b) - first - window
             if c > 0:
-                kb, vb = self.tokens(b)
-                parts.append((b, kb[:, first : first + c], vb[:, first : first + c]))
+                kb, vb = self.since(b, first)
+                parts.append((b, kb[:, :c], vb[:, :c]))
         if parts:
             ready = None
             if self.k.device.type == "cuda":
@@ -118,9 +164,8 @@ class Bridge:
         on the device yet (the layer's first job comes next), so no page goes stale."""
         window = self._window.window
         for b in range(len(self.padding)):
-            kb, vb = self.tokens(b)
-            first = self.unindexed[b]
-            k_rest, v_rest = kb[:, first:], vb[:, first:]  # the prompt's window, then the bridge's
+            # The prompt's window, then the bridge's tokens.
+            k_rest, v_rest = self.since(b, self.unindexed[b])
             w = min(window, k_rest.shape[1])
             c = k_rest.shape[1] - w
             if c:

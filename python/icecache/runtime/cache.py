@@ -79,7 +79,11 @@ class IceCache(Cache):
     Constructing it switches ``model`` to the ``"icecache"`` attention implementation
     (:func:`icecache.runtime.enable`), which is plain SDPA for any other cache. One cache
     serves one ``generate`` (or one prompt forward followed by one-token forwards); call
-    :meth:`reset` to reuse it. Beam search, cropping and chunked prefill are not supported.
+    :meth:`reset` to reuse it. The prompt may come in chunks (``generate(...,
+    prefill_chunk_size=N)``, or forwards of several tokens before the first one-token forward);
+    constructing an IceCache sets ``model.generation_config.prefill_chunk_size`` to
+    ``config.prefill_chunk`` where it is unset, so that ``generate`` prefills in bounded device
+    memory. Beam search and cropping are not supported.
 
     Under tensor parallelism (transformers' ``tp_plan``, one process per GPU), make one
     IceCache in every rank: each indexes, stores and selects only the KV heads of its rank
@@ -127,8 +131,12 @@ class IceCache(Cache):
         layers = _cache_layers(layer_types, text_config, config.full_layers, served)
         for layer, after in zip(ice, ice[1:] + ice[:1]):
             layer.next_layer = after
+        self.runtime.served_layers = self.runtime.pinned.ahead = len(ice)
         super().__init__(layers=layers)
         enable(model)
+        generation = getattr(model, "generation_config", None)
+        if config.prefill_chunk is not None and generation is not None and generation.prefill_chunk_size is None:
+            generation.prefill_chunk_size = config.prefill_chunk
         # A safe point: the graphs of caches collected since are destroyed now.
         graphs.release_retired()
 

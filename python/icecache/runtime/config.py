@@ -141,6 +141,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
     "threads": _optional(_positive_int),
     "device": _optional(_device),
     "page_format": _page_format,
+    "prefill_chunk": _optional(_positive_int),
 }
 
 
@@ -237,6 +238,14 @@ class IceCacheConfig:
             reads the dequantised tokens. The index reads its keys from these K rows (each key
             is stored once); with ``"native"`` it keeps the same int8 rows beside the 16-bit
             pages. Sections "8-bit host pages" and "Each key once".
+        prefill_chunk: the prompt chunk ``generate`` feeds the model when its generation config
+            sets none: :class:`IceCache` sets ``model.generation_config.prefill_chunk_size`` to
+            this where it is ``None`` (``None`` here: leave it alone). A chunk's attention is
+            exact over every earlier token, which an IceCache layer keeps in host memory and
+            reads back layer by layer, so the prompt's device memory is bounded by one chunk's
+            activations and one layer's prompt, not the whole prompt's cache. A one-token forward
+            is a decode step (``prefill_chunk=1`` decodes the prompt token by token). Section
+            "Chunked prefill in bounded GPU memory".
     """
 
     budget: int = 256
@@ -262,6 +271,7 @@ class IceCacheConfig:
     threads: Optional[int] = None
     device: Any = None
     page_format: str = "native"
+    prefill_chunk: Optional[int] = 8192
 
     def __post_init__(self) -> None:
         for f in fields(self):

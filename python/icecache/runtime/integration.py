@@ -18,21 +18,27 @@ thread-local slot, and the attention function takes it from there:
   while the indexes are still being built (``IceCacheConfig.exact_until_indexed``), SDPA over
   the layer's whole cache, as for a full cache.
 
-The mask function is transformers' ``sdpa_mask``; without a registered mask function,
-transformers silently passes ``attention_mask=None`` and padding would be ignored.
+The mask function is transformers' ``sdpa_mask`` (without a registered mask function,
+transformers silently passes ``attention_mask=None`` and padding would be ignored), except for
+a causal mask of a prompt chunk after earlier tokens: that would be ``[B, 1, L, T]`` booleans (16
+GiB for a 32k chunk of a 512k prompt), so the mask function returns a :class:`ChunkMask` of the
+padding alone and the attention function applies the causal part in the kernel
+(:func:`icecache.attend.chunk.chunk_attention`), for every full-attention layer.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from icecache._util import register_attention
+from icecache.attend.chunk import chunk_attention, left_padding
 
-__all__ = ["ATTN_IMPLEMENTATION", "enable", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "ChunkMask", "enable", "register"]
 
 #: Attention implementation name registered with transformers.
 ATTN_IMPLEMENTATION = "icecache"
@@ -41,6 +47,39 @@ _slot = threading.local()
 
 #: SDPA backends for one-token steps on a GPU (see the module docstring: no cuDNN).
 _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass(frozen=True)
+class ChunkMask:
+    """The mask of a prompt chunk after earlier tokens, for the ``"icecache"`` attention: causal
+    with the diagonal at the bottom right, and ``valid`` ``[B, T]``, the real (non-padding) key
+    positions, or ``None`` for all."""
+
+    valid: Optional[torch.Tensor]
+
+
+def chunk_mask(*args, **kwargs) -> Any:
+    """The ``"icecache"`` mask function: transformers' ``sdpa_mask``, except for the plain causal
+    mask of a chunk of several queries after earlier keys, left padded or not padded, which is a
+    :class:`ChunkMask`. (transformers 5.17 passes ``cache_position``, later ones ``q_length``.)"""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    q_length = kwargs.get("q_length")
+    if q_length is None and kwargs.get("cache_position") is not None:
+        q_length = kwargs["cache_position"].shape[0]
+    kv_length, kv_offset = kwargs.get("kv_length"), kwargs.get("kv_offset", 0)
+    plain = kwargs.get("mask_function") is causal_mask_function and kwargs.get("local_size") is None
+    if args or not plain or q_length is None or kv_length is None or not 1 < q_length < kv_length or kv_offset:
+        return sdpa_mask(*args, **kwargs)
+    padding = kwargs.get("attention_mask")
+    valid = None
+    if padding is not None:
+        valid = padding[:, :kv_length].bool()
+        if bool(valid.all()):
+            valid = None
+        elif left_padding(valid) is None:
+            return sdpa_mask(*args, **kwargs)
+    return ChunkMask(valid)
 
 
 def hand_off(layer: Any) -> None:
@@ -80,18 +119,27 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layer = _take(module)
+    if isinstance(attention_mask, ChunkMask):
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            raise ValueError("IceCache's chunked prefill does not support attention logit soft-capping or sinks")
+        out = chunk_attention(query, key, value, attention_mask.valid, scaling or query.shape[-1] ** -0.5)
+        if layer is not None:
+            valid = attention_mask.valid
+            layer.ingest_chunk(None if valid is None else valid[:, -query.shape[2] :], query)
+        return out, None
     if layer is None or not layer.decoding or layer.bridging:
         if query.shape[2] == 1 and query.is_cuda:
             with sdpa_kernel(_DECODE_BACKENDS):
                 return sdpa_attention_forward(
                     module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
                 )
-        out = sdpa_attention_forward(
+        result = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
         if layer is not None and not layer.decoding:
-            layer.ingest_prompt(_valid_positions(attention_mask), query)
-        return out
+            valid = _valid_positions(attention_mask)
+            layer.ingest_chunk(None if valid is None else valid[:, -query.shape[2] :], query)
+        return result
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError("IceCache does not support attention logit soft-capping or attention sinks")
     if scaling is None:
@@ -101,7 +149,7 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 def register() -> None:
     """Register the ``"icecache"`` attention and mask functions with transformers (once)."""
-    register_attention(ATTN_IMPLEMENTATION, icecache_attention)
+    register_attention(ATTN_IMPLEMENTATION, icecache_attention, chunk_mask)
 
 
 def enable(model: Any) -> None:

@@ -24,9 +24,6 @@ from icecache.runtime.transfer import StepBuffers
 
 __all__ = ["FollowerJobs", "LayerJobs", "LeaderJobs"]
 
-#: One sequence's prompt middle for the index worker: ``(b, keys, values, last queries or None)``.
-Middle = Tuple[int, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
-
 
 class LayerJobs:
     """What leaders and followers share: the stores, the decode steps' host buffers (kept
@@ -77,13 +74,25 @@ class LayerJobs:
     def _open_sequences(self) -> None:
         raise NotImplementedError
 
-    def _index_middle(self, b: int, k: torch.Tensor, v: torch.Tensor, q: Optional[torch.Tensor]) -> None:
-        """Index worker: put sequence ``b``'s prompt middle ``[H_kv, m, D]`` (CPU) into the index."""
+    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put sequence ``b``'s tokens ``[H_kv, c, D]`` (CPU) into its index and stores, in
+        position order after the ones indexed before (the first ones build the index): the
+        prompt's middle, chunk by chunk, and the tokens that left the window during a bridge."""
         raise NotImplementedError
 
-    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Put sequence ``b``'s tokens ``[H_kv, c, D]`` (CPU) that left the window during the
-        bridge into its index and stores, in position order after the ones indexed before."""
+    def calibrate(self, b: int, q: torch.Tensor) -> None:
+        """Index worker: calibrate sequence ``b``'s index on its last prompt queries ``[H_q, n,
+        D]`` (``effort="auto"``; a leader's job: followers have no index of their own)."""
+        raise NotImplementedError
+
+    def restart(self, b: int) -> None:
+        """Index worker, before the first decode step: empty sequence ``b``'s stores (and index
+        or history), for a build of its whole prompt."""
+        cfg = self.runtime.config
+        self.stores[b] = PageStore(self.heads, cfg.page_size, self.dim, self.dtype, cfg.page_format)
+        self._restart_sequence(b)
+
+    def _restart_sequence(self, b: int) -> None:
         raise NotImplementedError
 
     @property
@@ -128,17 +137,6 @@ class LayerJobs:
         if self._made_buffers is not None:
             host += self._made_buffers.nbytes()
         return host
-
-    # -------------------------------------------------------------- prompt
-
-    def index_prompt(self, middles: List[Middle], ready: Optional[torch.cuda.Event]) -> None:
-        """Index worker: copy each sequence's middle tokens to the host and index them (and
-        make the decode steps' host buffers: pinning memory is slow on some hosts); with
-        ``effort="auto"``, calibrate each index on the sequence's last prompt queries."""
-        self.buffers()
-        for b, k, v, q in middles:
-            k_host, v_host, *q_host = self.runtime.transit.to_host(ready, k, v, *([] if q is None else [q]))
-            self._index_middle(b, k_host, v_host, q_host[0] if q_host else None)
 
     # -------------------------------------------------------------- decode
 
@@ -303,16 +301,21 @@ class LeaderJobs(LayerJobs):
     def group_indexes(self) -> List[PageIndex]:
         return self.indexes
 
+    def _restart_sequence(self, b: int) -> None:
+        self.indexes[b] = PageIndex(self.heads, self.runtime.config)
+
     @property
     def calibrates(self) -> bool:
         return self.runtime.config.calibrates
 
-    def _index_middle(self, b: int, k: torch.Tensor, v: torch.Tensor, q: Optional[torch.Tensor]) -> None:
-        self.indexes[b].add(k, v, self.stores[b])
-        if q is not None:
-            t = time.perf_counter()
-            self.indexes[b].calibrate(q, self.stores[b])
-            self.runtime.stats.calibrate_s += time.perf_counter() - t
+    def calibrate(self, b: int, q: torch.Tensor) -> None:
+        """Index worker: calibrate sequence ``b``'s index on its last prompt queries ``[H_q, n,
+        D]`` (CPU, the keys' dtype; ``effort="auto"``)."""
+        if self.indexes[b].forest is None:
+            return  # the prompt fit in sink and window: the least effort stays
+        t = time.perf_counter()
+        self.indexes[b].calibrate(q.contiguous(), self.stores[b])
+        self.runtime.stats.calibrate_s += time.perf_counter() - t
 
     def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         index, store = self.indexes[b], self.stores[b]
@@ -374,11 +377,11 @@ class FollowerJobs(LayerJobs):
     def group_indexes(self) -> List[PageIndex]:
         return self.leader.indexes
 
+    def _restart_sequence(self, b: int) -> None:
+        self.histories[b] = History(self.heads, self.dim, self.dtype)
+
     def _leader_lookahead(self) -> Optional[_core.LookAheadLayer]:
         return self.leader.lookahead
-
-    def _index_middle(self, b: int, k: torch.Tensor, v: torch.Tensor, q: Optional[torch.Tensor]) -> None:
-        self.catch_up(b, k, v)
 
     def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.histories[b].append(k, v)

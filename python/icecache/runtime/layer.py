@@ -16,9 +16,11 @@ from transformers.cache_utils import CacheLayerMixin
 
 from icecache.runtime.bridge import Bridge
 from icecache.runtime.config import CALIBRATION_POSITIONS
+from icecache.runtime.hostmem import bytes_per_token
 from icecache.runtime.integration import hand_off
-from icecache.runtime.jobs import FollowerJobs, LayerJobs, LeaderJobs, Middle
+from icecache.runtime.jobs import FollowerJobs, LayerJobs, LeaderJobs
 from icecache.runtime.pages import PageIndex, PageStore
+from icecache.runtime.prefix import HostPrefix
 from icecache.runtime.probe import track_recall
 from icecache.runtime.runtime import Runtime
 from icecache.runtime.step import DeviceStep
@@ -83,7 +85,20 @@ class IceLayer(CacheLayerMixin):
         self.is_initialized = False
         self.length = 0
         self.decoding = False
-        self._prompt: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        #: The prompt's keys and values in host memory while it streams in (chunked prefill).
+        self.prefix = HostPrefix(self.runtime.device, self.runtime.pinned)
+        # The current chunk's keys and values on the device, until its attention has run; the
+        # first chunk's until a second one comes (a bridge decodes from them).
+        self._chunk_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._first_chunk: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._chunks = 0
+        # The prompt's real (non-padding) positions so far, [B, T] on the host; per sequence its
+        # real tokens, and the real tokens [0, indexed) handed to the index worker (sink included).
+        self._valid: Optional[torch.Tensor] = None
+        self._real: List[int] = []
+        self._indexed: List[int] = []
+        # Per sequence, the queries of its last CALIBRATION_POSITIONS real prompt positions.
+        self._q_last: List[Optional[torch.Tensor]] = []
         self._device_step: Optional[DeviceStep] = None
         self._step_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
@@ -109,31 +124,46 @@ class IceLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Take this step's keys and values (post-RoPE, ``[B, H_kv, T, D]``).
 
-        The first call is the prompt: it is returned whole for exact attention and offloaded
-        afterwards (see :meth:`ingest_prompt`). Later calls take one token per sequence.
+        Calls of several tokens before the first decode step are the prompt, in one chunk or
+        several: each is returned with every earlier token for exact attention (the earlier ones
+        read back from the host, :class:`HostPrefix`) and offloaded afterwards
+        (:meth:`ingest_chunk`). A call of one token is a decode step; the first one ends the
+        prompt of every IceCache layer (:meth:`_finish_prompts`).
         """
+        T = key_states.shape[-2]
         if not self.is_initialized:
+            self._check_host_memory(key_states, T)
             self.lazy_initialization(key_states, value_states)
-            self._prompt = (key_states, value_states)
-            self.length = key_states.shape[-2]
+            self._chunk_kv = self._first_chunk = (key_states, value_states)
+            self.length = T
             hand_off(self)
             return key_states, value_states
-        if key_states.shape[-2] != 1:
-            raise NotImplementedError(
-                f"IceCache takes one prompt and then one token per step; layer {self.layer_idx} "
-                f"got {key_states.shape[-2]} tokens after the prompt (chunked prefill and "
-                "speculative decoding are not supported)"
-            )
         if key_states.shape[0] != self.batch:
             raise ValueError(f"batch size changed from {self.batch} to {key_states.shape[0]}")
+        if not self.decoding:
+            if T > 1:
+                return self._prompt_chunk(key_states, value_states)
+            self._finish_prompts()
+        if T != 1:
+            raise NotImplementedError(
+                f"IceCache takes a prompt (in chunks or not) and then one token per step; layer "
+                f"{self.layer_idx} got {T} tokens after the first decode step (speculative "
+                "decoding is not supported)"
+            )
         bridge = self.bridge
         if bridge is not None:
             if self.runtime.decide_bridging(self.length):
                 bridge.append(key_states.to(self.device), value_states.to(self.device))
                 self.length += 1
                 self.runtime.stats.bridged_steps += 1
+                k_all, v_all = bridge.attended()
+                after = self.next_layer
+                if self.device.type == "cuda" and after is not None and after.layer_idx > self.layer_idx:
+                    ahead = after.bridge
+                    if ahead is not None:
+                        ahead.prefetch(self.runtime.copy_stream())
                 hand_off(self)
-                return bridge.k, bridge.v
+                return k_all, v_all
             self.runtime.leave_bridges()
         self.runtime.wait_indexed()
         t = time.perf_counter()
@@ -190,77 +220,188 @@ class IceLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ prompt
 
-    def ingest_prompt(self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None) -> None:
-        """Offload the prompt taken by :meth:`update` once its exact attention has run.
+    def _check_host_memory(self, k: torch.Tensor, length: int) -> None:
+        """Raise :class:`MemoryError` before a prompt chunk ending at ``length`` whose host memory
+        the machine does not have (the first layer checks for all)."""
+        B, H, _, D = k.shape
+        per_token = bytes_per_token(H, D, k.dtype, self.runtime.config.page_format)
+        self.runtime.check_prompt_memory(length, B, per_token)
+
+    def _prompt_chunk(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A prompt chunk after the first: the earlier tokens (prefetched from the host by the
+        layer before, or copied now) followed by the chunk's, ``[B, H_kv, T + L, D]``."""
+        P, L = self.length, k.shape[-2]
+        if self.prefix.length != P:
+            raise RuntimeError(f"IceCache layer {self.layer_idx}: a prompt chunk before the last one's attention")
+        self._check_host_memory(k, P + L)
+        buf = self.prefix.to_device(L)
+        buf[0, :, :, P:], buf[1, :, :, P:] = k.to(self.device), v.to(self.device)
+        self._chunk_kv = (buf[0, :, :, P:], buf[1, :, :, P:])
+        self._first_chunk = None  # several chunks: no bridge (it would hold the whole prompt)
+        self.length = P + L
+        after = self.next_layer
+        if self.device.type == "cuda" and after is not None and after.layer_idx > self.layer_idx:
+            after.prefix.prefetch(L, self.runtime.copy_stream())
+        hand_off(self)
+        return buf[0], buf[1]
+
+    def ingest_chunk(self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None) -> None:
+        """Offload the prompt chunk taken by :meth:`update` once its exact attention has run:
+        its keys and values go to the host (:class:`HostPrefix`), and each sequence's real
+        tokens that are neither its first ``sink`` nor among its last ``window`` so far go to
+        the index on the index worker (the first ones build it, later ones are inserted).
 
         Args:
-            valid: ``[B, T]`` bool of real (non-padding) positions, or ``None`` for all.
-            queries: the prompt's queries ``[B, H_q, T, D]`` (post-RoPE), for ``effort="auto"``
-                to calibrate the index on (see :meth:`load_prompt`).
+            valid: ``[B, L]`` bool of the chunk's real (non-padding) positions, or ``None``.
+            queries: the chunk's queries ``[B, H_q, L, D]`` (post-RoPE), for ``effort="auto"``
+                to calibrate the index on the prompt's last ones.
         """
-        if self._prompt is None:
-            raise RuntimeError(f"layer {self.layer_idx} has no prompt to offload")
-        k, v = self._prompt
-        self._prompt = None
-        self.load_prompt(k, v, valid, queries)
-
-    def load_prompt(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        valid: Optional[torch.Tensor],
-        queries: Optional[torch.Tensor] = None,
-    ) -> None:
-        """Split each sequence's prompt keys/values ``[B, H_kv, T, D]`` into sink, middle
-        (offloaded and indexed) and window; ``valid`` as for :meth:`ingest_prompt`. With
-        ``effort="auto"``, a leading layer also keeps each sequence's queries ``[B, H_q, T, D]``
-        of its last ``CALIBRATION_POSITIONS`` real positions, and the index worker calibrates
-        the sequence's index on them once it is built (layers that reuse a leader's selection
-        have no index of their own)."""
+        if self._chunk_kv is None:
+            raise RuntimeError(f"layer {self.layer_idx} has no prompt chunk to offload")
         cfg = self.runtime.config
-        if not self.is_initialized:
-            self.lazy_initialization(k, v)
-            self.length = k.shape[-2]
+        k, v = self._chunk_kv
+        self._chunk_kv = None
+        B, L = self.batch, k.shape[-2]
+        if not self._chunks:
+            self._real, self._indexed, self._q_last = [0] * B, [0] * B, [None] * B
+        self._chunks += 1
+        stream = self.runtime.copy_stream() if self.device.type == "cuda" else None
+        self.prefix.offload(k, v, stream)
+        valid_host = torch.ones(B, L, dtype=torch.bool) if valid is None else valid.to("cpu", torch.bool)
+        self._valid = valid_host if self._valid is None else torch.cat([self._valid, valid_host], 1)
         calibrate = self.jobs.calibrates and queries is not None
-        k, v = k.to(self.device), v.to(self.device)
-        middles: List[Middle] = []
+        parts = []
+        for b in range(B):
+            real = valid_host[b].nonzero()[:, 0]
+            self._real[b] += real.numel()
+            if calibrate and queries is not None and real.numel():
+                q = queries[b][:, real[-CALIBRATION_POSITIONS:].to(queries.device)].to(self.device, k.dtype)
+                kept = self._q_last[b]
+                self._q_last[b] = (q if kept is None else torch.cat([kept, q], 1))[:, -CALIBRATION_POSITIONS:]
+            lo, hi = max(cfg.sink, self._indexed[b]), self._real[b] - cfg.window
+            if hi > lo:
+                parts.append((b, lo, hi))
+                self._indexed[b] = hi
+        # The first chunk's middle is indexed behind the next layers' compute; a prompt of one
+        # chunk is then ready as soon as that build is. Later chunks wait for the whole prompt,
+        # which is indexed in one build (_finish_prompt): inserting chunk by chunk as they
+        # come ran at a fraction of a build's pace (benches/RESULTS.md, "Chunked prefill in
+        # bounded GPU memory").
+        if parts and self._chunks == 1:
+            self.runtime.submit(self._index_chunk, parts, self._valid, self.prefix, self._host_queries())
+
+    def _host_queries(self) -> List[Optional[torch.Tensor]]:
+        """Per sequence, its last prompt queries so far on the host (``effort="auto"``)."""
+        return [None if q is None else q.cpu() for q in self._q_last]
+
+    def _index_chunk(
+        self,
+        parts: List[Tuple[int, int, int]],
+        valid: torch.Tensor,
+        prefix: HostPrefix,
+        q_last: List[Optional[torch.Tensor]],
+    ) -> None:
+        """Index worker: put each sequence's real tokens ``[lo, hi)`` into its index (the first
+        ones build it), once the chunk's copy to the host has landed; then calibrate each index
+        on its sequence's ``q_last`` queries (``effort="auto"``; ``None``: none)."""
+        self.jobs.buffers()  # made here: pinning memory is slow on some hosts
+        prefix.wait_copied()
+        for b, lo, hi in parts:
+            k, v = prefix.gather(b, valid[b].nonzero()[lo:hi, 0])
+            self.jobs.catch_up(b, k, v)
+        for b, q in enumerate(q_last):
+            if q is not None:
+                self.jobs.calibrate(b, q)
+
+    def _index_whole(
+        self,
+        parts: List[Tuple[int, int, int]],
+        valid: torch.Tensor,
+        prefix: HostPrefix,
+        q_last: List[Optional[torch.Tensor]],
+    ) -> None:
+        """Index worker: index each sequence's whole middle, real tokens ``[lo, hi)``, in one
+        build, replacing the first chunk's index, and calibrate it on ``q_last``."""
+        for b, _, _ in parts:
+            self.jobs.restart(b)
+        self._index_chunk(parts, valid, prefix, q_last)
+
+    def _finish_prompts(self) -> None:
+        """The first decode step: every IceCache layer's prompt is complete (this layer is the
+        model's first IceCache layer; the others follow it in order)."""
+        layer: Optional[IceLayer] = self
+        while layer is not None and not layer.decoding:
+            layer._finish_prompt()
+            layer = layer.next_layer
+        self.runtime.pinned.drop()
+
+    def _finish_prompt(self) -> None:
+        """Put each sequence's first ``sink`` and last real prompt tokens on the device (the
+        window) and, with ``exact_until_indexed``, decode from the whole cache until the indexes
+        are ready (:meth:`_bridge`). A prompt of several chunks is indexed now, in one build of
+        its whole middle (calibrated on its last queries with ``effort="auto"``)."""
+        cfg = self.runtime.config
+        self.prefix.wait_copied()
+        valid = self._valid
+        if valid is None:
+            raise RuntimeError(f"IceCache layer {self.layer_idx} got no prompt")
         unindexed = []
         for b in range(self.batch):
-            kb, vb = k[b], v[b]
-            qb = queries[b] if calibrate and queries is not None else None
-            if valid is not None and not bool(valid[b].all()):
-                idx = valid[b].nonzero()[:, 0].to(self.device)
-                kb, vb = kb[:, idx], vb[:, idx]
-                qb = None if qb is None else qb[:, idx.to(qb.device)]
-            split = self.window.load_prompt(b, kb, vb)
-            unindexed.append(split.window_start)
-            if split.window_start > split.sink:
-                middle = slice(split.sink, split.window_start)
-                # A copy of its own, in the keys' dtype, so that one transfer takes it with them.
-                q_last = None if qb is None else qb[:, -CALIBRATION_POSITIONS:].to(self.device, kb.dtype).clone()
-                middles.append((b, kb[:, middle], vb[:, middle], q_last))
-        if middles:
-            ready = None
-            if self.device.type == "cuda":
-                ready = torch.cuda.Event()
-                ready.record()
-            self.runtime.submit(self.jobs.index_prompt, middles, ready)
-            if cfg.exact_until_indexed:
-                T = k.shape[-2]
-                padding = [T - n for n in (valid.sum(-1).tolist() if valid is not None else [T] * self.batch)]
-                bridge = Bridge(
-                    k,
-                    v,
-                    None if valid is None else valid.to(self.device),
-                    unindexed,
-                    padding,
-                    window=self.window,
-                    catch_up=self.jobs.catch_up,
-                    submit=self.runtime.submit,
-                    transit=self.runtime.transit,
-                )
-                self.runtime.bridges.add(self.layer_idx, bridge)
+            positions = valid[b].nonzero()[:, 0]
+            s = min(cfg.sink, positions.numel())
+            first = max(s, self._indexed[b])  # the window's first real token
+            k, v = self.prefix.gather(b, torch.cat([positions[:s], positions[first:]]))
+            self.window.load_prompt(b, k.to(self.device), v.to(self.device))
+            unindexed.append(first)
+        if self._chunks > 1:
+            parts = [(b, min(cfg.sink, self._real[b]), i) for b, i in enumerate(self._indexed) if i > 0]
+            self.runtime.submit(self._index_whole, parts, valid, self.prefix, self._host_queries())
+        if any(i > 0 for i in self._indexed) and cfg.exact_until_indexed:
+            self.runtime.bridges.add(self.layer_idx, self._bridge(valid, unindexed))
+        # Dropped here: the index jobs and a bridge that still read it hold it until they end.
+        self.prefix = HostPrefix(self.runtime.device, self.runtime.pinned)
+        self._first_chunk = None
+        self._valid = None
+        self._q_last = []
         self.decoding = True
+
+    def _bridge(self, valid: torch.Tensor, unindexed: List[int]) -> Bridge:
+        """The bridge of a prompt whose indexes are being built: a prompt of one chunk is still
+        on the device; a longer one stays on the host but for the positions from the first
+        unindexed token of any sequence on, and each bridged step reads it back."""
+        T = valid.shape[1]
+        padding = [T - n for n in self._real]
+        if self._first_chunk is not None:
+            k, v = self._first_chunk
+            host = None
+        else:
+            host = self.prefix
+            starts = [int(valid[b].nonzero()[first, 0]) for b, first in enumerate(unindexed) if first < self._real[b]]
+            k, v = host.tail(min(starts, default=T))
+        return Bridge(
+            k.to(self.device),
+            v.to(self.device),
+            None if bool(valid.all()) else valid.to(self.device),
+            unindexed,
+            padding,
+            window=self.window,
+            catch_up=self.jobs.catch_up,
+            submit=self.runtime.submit,
+            transit=self.runtime.transit,
+            host=host,
+        )
+
+    def load_prompt(self, k: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+        """Take a whole prompt's keys/values ``[B, H_kv, T, D]`` as one chunk whose attention
+        ran elsewhere (:meth:`IceCache.from_prefilled`); ``valid`` as for :meth:`ingest_chunk`."""
+        if self.is_initialized:
+            raise RuntimeError(f"IceCache layer {self.layer_idx} holds a prompt already")
+        self._check_host_memory(k, k.shape[-2])
+        k, v = k.to(self.runtime.device), v.to(self.runtime.device)
+        self.lazy_initialization(k, v)
+        self.length = k.shape[-2]
+        self._chunk_kv = self._first_chunk = (k, v)
+        self.ingest_chunk(valid)
 
     # ------------------------------------------------------------------ decode attention
 
@@ -358,7 +499,11 @@ class IceLayer(CacheLayerMixin):
             return {"device": 0, "host": 0}
         self.runtime.wait_indexed()
         dev = sum(t.numel() * t.element_size() for t in (self.pool_kv, self.window.dense_kv))
+        host = self.jobs.host_nbytes() + self.prefix.nbytes()
+        if self._first_chunk is not None:
+            dev += 2 * self._first_chunk[0].numel() * self._first_chunk[0].element_size()
         bridge = self.bridge
         if bridge is not None:
-            dev += 2 * bridge.k.numel() * bridge.k.element_size()
-        return {"device": dev, "host": self.jobs.host_nbytes()}
+            held = bridge.nbytes()
+            dev, host = dev + held["device"], host + held["host"]
+        return {"device": dev, "host": host}

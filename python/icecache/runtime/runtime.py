@@ -13,8 +13,10 @@ import numpy as np
 import torch
 
 from icecache import _core
+from icecache.runtime import hostmem
 from icecache.runtime.bridge import Bridges
 from icecache.runtime.config import IceCacheConfig
+from icecache.runtime.prefix import PinnedBlocks
 from icecache.runtime.transfer import Transit
 
 __all__ = ["Runtime", "RuntimeStats"]
@@ -107,6 +109,14 @@ class Runtime:
         self.transit = Transit(device)
         #: The layers' bridges (``IceCacheConfig.exact_until_indexed``) and when they end.
         self.bridges = Bridges()
+        #: The IceCache layers this runtime serves (set by :class:`icecache.IceCache`).
+        self.served_layers = 0
+        #: Pinned host blocks for a chunked prefill's host prompt, made ahead (one per layer).
+        self.pinned = PinnedBlocks(ahead=1)
+        # Prompt positions whose host memory has been checked, and the host memory available when
+        # the prompt began (check_prompt_memory).
+        self._host_checked = 0
+        self._host_available: Optional[int] = None
         self._index_worker: Optional[ThreadPoolExecutor] = None
         self._pending: List[Future] = []
         # None until their accessors make them.
@@ -159,6 +169,18 @@ class Runtime:
             self._pending.pop(0)
         self.stats.index_wait_s += time.perf_counter() - t
 
+    def check_prompt_memory(self, length: int, batch: int, per_token: int) -> None:
+        """Called by every IceCache layer before it takes a prompt chunk that ends at position
+        ``length``: the first layer to reach it checks that the prompt so far fits in the host
+        memory that was available when it began, for every served layer, at ``per_token`` bytes
+        per token and layer (:func:`icecache.runtime.hostmem.check_prompt_fits`; raises
+        :class:`MemoryError`)."""
+        if length > self._host_checked:
+            if self._host_checked == 0:
+                self._host_available = hostmem.available_bytes()
+            hostmem.check_prompt_fits(length * batch, per_token, self.served_layers, self._host_available)
+            self._host_checked = length
+
     def decide_bridging(self, position: int) -> bool:
         """Decide whether the decode step at ``position`` still attends the prompt's whole cache,
         and return that (:meth:`Bridges.decide`, over the index worker's unfinished jobs: the
@@ -180,6 +202,8 @@ class Runtime:
         self.stats = RuntimeStats()
         self.bridges.forget()
         self._made_graph_pool = None
+        self._host_checked, self._host_available = 0, None
+        self.pinned.drop()
 
     def tick(self) -> float:
         """A timestamp for the breakdown (after a device sync when :attr:`sync_timing`)."""

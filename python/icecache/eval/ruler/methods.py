@@ -6,7 +6,7 @@ layers after the first ``full_layers``) are :class:`BudgetLayer` s; the others k
 (sliding-window layers their own window), as in :class:`icecache.IceCache`. The layers use
 IceCache's own attention path (:mod:`icecache.runtime.integration`): a layer's ``update`` hands
 the layer to the ``"icecache"`` attention function, which runs exact SDPA over the prompt (then
-calls :meth:`BudgetLayer.ingest_prompt`) and :meth:`BudgetLayer.attend` at every decode step.
+calls :meth:`BudgetLayer.ingest_chunk`) and :meth:`BudgetLayer.attend` at every decode step.
 
 The budget counts the tokens in the softmax of one (layer, KV head, step), as
 :class:`icecache.IceCacheConfig` does:
@@ -94,7 +94,7 @@ class BudgetLayer(CacheLayerMixin):
 
     Follows transformers' cache layer interface (``update``, ``get_seq_length``,
     ``get_mask_sizes``) and IceCache's attention protocol (``decoding``, ``bridging``,
-    ``ingest_prompt``, ``attend``). One sequence, one prompt, then one token per step.
+    ``ingest_chunk``, ``attend``). One sequence, one prompt, then one token per step.
 
     Attributes:
         keys, values: the kept tokens ``[1, H_kv, n, D]`` (all of them but for StreamingLLM).
@@ -178,9 +178,10 @@ class BudgetLayer(CacheLayerMixin):
             self.kmin = torch.cat([self.kmin[:, :first], new_min], dim=1)
             self.kmax = torch.cat([self.kmax[:, :first], new_max], dim=1)
 
-    def ingest_prompt(self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None) -> None:
+    def ingest_chunk(self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None) -> None:
         """Called by the attention path once the prompt's exact attention has run: StreamingLLM
-        drops what it does not keep, Quest bounds the prompt's pages."""
+        drops what it does not keep, Quest bounds the prompt's pages. The prompt comes in one
+        forward (the evaluation runs no chunked prefill)."""
         if valid is not None and not bool(valid.all()):
             raise ValueError("the baseline caches do not take padded prompts")
         assert self.keys is not None and self.values is not None
@@ -195,7 +196,7 @@ class BudgetLayer(CacheLayerMixin):
         self.is_initialized = True
         self.keys, self.values = keys.clone(), values.clone()
         self.length = keys.shape[-2]
-        self.ingest_prompt(None)
+        self.ingest_chunk(None)
 
     def keep_mask(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The kept tokens this step attends: ``[H_kv, n]`` bool, for ``query`` ``[H_q, D]``."""

@@ -1,0 +1,78 @@
+"""Host memory for a prompt: what its offloaded tokens need, what the machine has, and the check
+that a prompt chunk makes before anything of it is allocated.
+
+While a prompt streams in, each IceCache layer holds its keys and values twice in host memory:
+once as they came (:class:`icecache.runtime.prefix.HostPrefix`, read back by the next chunks and
+the first decode steps) and once in the page stores with the index, which are built after the
+last chunk. So each chunk checks the whole prompt so far against the memory that was available
+when the prompt began: a prompt that cannot fit raises :class:`MemoryError` naming both
+figures, instead of the kernel ending the process halfway through the prefill or its index
+build.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["available_bytes", "bytes_per_token", "check_prompt_fits"]
+
+#: Index bytes per token and KV head beyond its rows (cells, tree, position maps), rounded up.
+INDEX_BYTES = 32
+#: The page stores' bytes per token, in percent of a full page's: pages are not all full
+#: (97-98% of their slots hold a token), and the room the stores reserve for decode tokens is
+#: not resident until used.
+PAGE_SLACK_PERCENT = 105
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_bytes() -> Optional[int]:
+    """Host memory this process can still take: the kernel's ``MemAvailable``, or less where a
+    cgroup (v2) limit leaves less; ``None`` where neither is known (not Linux)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        left = max(0, limit - used)
+        avail = left if avail is None else min(avail, left)
+    return avail
+
+
+def bytes_per_token(heads: int, dim: int, dtype: torch.dtype, page_format: str) -> int:
+    """Resident host bytes one prompt token of one layer needs while the prompt streams in: its
+    keys and values as they came, and in the page stores with the index."""
+    size = torch.empty((), dtype=dtype).element_size()
+    came = 2 * dim * size
+    rows = dim + 4  # an int8 row and its float32 scale: what the index reads
+    stored = 2 * rows if page_format == "int8" else came + rows
+    return heads * (came + (stored + INDEX_BYTES) * PAGE_SLACK_PERCENT // 100)
+
+
+def check_prompt_fits(tokens: int, per_token: int, layers: int, available: Optional[int]) -> None:
+    """Raise :class:`MemoryError` if a prompt of ``tokens`` tokens (of all sequences) needs more
+    host memory, at ``per_token`` bytes per token and layer over ``layers`` layers, than the
+    ``available`` bytes (``None``: unknown, no check). Allocates nothing."""
+    need = tokens * per_token * layers
+    if available is not None and need > available:
+        gib = 2**30
+        raise MemoryError(
+            f"IceCache: a prompt of {tokens} tokens needs {need / gib:.2f} GiB of host memory ({layers} layers "
+            f"x {per_token} bytes a token), but {available / gib:.2f} GiB were available when it began; use a "
+            "shorter prompt, fewer sequences or page_format='int8'"
+        )

@@ -1,0 +1,187 @@
+"""The prompt of one IceCache layer in host memory while it streams in, chunk by chunk.
+
+A prompt may come in several forwards (chunked prefill). Each chunk's attention is exact over
+every earlier token, but an IceCache layer keeps none of them on the device: each chunk's keys
+and values leave for the host on the runtime's copy stream right after the chunk's attention
+(:meth:`HostPrefix.offload`), and the next chunk reads them back, layer by layer, into a device
+buffer that the layer before started filling on the same stream (:meth:`HostPrefix.prefetch`),
+so that the copy overlaps that layer's work. The index worker reads its middle tokens from here
+(:meth:`HostPrefix.gather`). Once decoding starts, the first steps read it back the same way
+until the indexes are ready (:class:`icecache.runtime.bridge.Bridge`); then it is dropped: the
+page stores hold the prompt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Deque, Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["HostPrefix", "PinnedBlocks"]
+
+
+class PinnedBlocks:
+    """Pinned host blocks made ahead, on a thread of their own, for the chunks of a prompt.
+
+    Pinning memory is slow on some hosts (``cudaHostAlloc`` takes ~10 ms per 32 MiB on the
+    H200's): made on the main thread, the blocks of a 128k-token prompt stall its prefill by
+    seconds. From a prompt's second chunk on, every block taken is replaced by one of the same
+    shape made ahead (the next chunk has the same size but for the last), so the offload finds
+    it ready. :meth:`drop` lets the unused ones go when the prompt ends.
+
+    Args:
+        ahead: how many blocks of a shape to keep made ahead (one per IceCache layer).
+    """
+
+    def __init__(self, ahead: int):
+        self.ahead = ahead
+        self._maker: Optional[ThreadPoolExecutor] = None
+        self._made: Dict[Tuple[Tuple[int, ...], torch.dtype], Deque[Future]] = {}
+
+    def take(self, shape: Tuple[int, ...], dtype: torch.dtype, again: bool) -> torch.Tensor:
+        """A pinned block of ``shape`` and ``dtype``: one made ahead if there is one, else made
+        now; ``again``: blocks of this shape will be taken again (make the next ones ahead)."""
+        made = self._made.setdefault((shape, dtype), deque())
+        block = made.popleft().result() if made else torch.empty(shape, dtype=dtype, pin_memory=True)
+        if again:
+            if self._maker is None:
+                self._maker = ThreadPoolExecutor(1, thread_name_prefix="icecache-pin")
+            while len(made) < self.ahead:
+                made.append(self._maker.submit(torch.empty, shape, dtype=dtype, pin_memory=True))
+        return block
+
+    def drop(self) -> None:
+        """Let the blocks made ahead go (those still being made, once made)."""
+        self._made = {}
+
+
+class HostPrefix:
+    """The prompt's keys and values so far, ``[B, H_kv, T, D]``, as host blocks in position order
+    (pinned on a GPU, so that the copies are asynchronous), one block per chunk.
+
+    Args:
+        device: the layer's device.
+        pinned: where its pinned blocks come from (``None``: made when needed).
+    """
+
+    def __init__(self, device: torch.device, pinned: Optional[PinnedBlocks] = None):
+        self.device = device
+        self._pinned = pinned
+        self._blocks: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        #: The event behind the last block's copy (``None`` on the CPU).
+        self._copied: Optional[torch.cuda.Event] = None
+        # A prefetched device buffer [2, B, H_kv, T + chunk, D] (tokens [0, T) being filled) and
+        # the event behind its copy.
+        self._ahead: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None
+
+    @property
+    def length(self) -> int:
+        """Positions held."""
+        return sum(k.shape[2] for k, _ in self._blocks)
+
+    def nbytes(self) -> int:
+        """Host bytes held."""
+        return sum(2 * k.numel() * k.element_size() for k, _ in self._blocks)
+
+    def offload(self, k: torch.Tensor, v: torch.Tensor, stream: Optional["torch.cuda.Stream"]) -> None:
+        """Append a chunk's keys and values ``[B, H_kv, L, D]`` (on the device), copied on
+        ``stream`` behind the work queued so far (``None``: the CPU, copied now)."""
+        if stream is None:
+            self._blocks.append((k.clone(), v.clone()))
+            return
+        shape = (2, *k.shape)
+        if self._pinned is None:
+            pin = torch.empty(shape, dtype=k.dtype, pin_memory=True)
+        else:  # from the second chunk on, the next chunks' blocks are made ahead
+            pin = self._pinned.take(shape, k.dtype, again=bool(self._blocks))
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            pin[0].copy_(k, non_blocking=True)
+            pin[1].copy_(v, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        k.record_stream(stream)
+        v.record_stream(stream)
+        self._blocks.append((pin[0], pin[1]))
+        self._copied = done
+
+    def wait_copied(self) -> None:
+        """Block until every block has reached the host."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def prefetch(self, chunk: int, stream: "torch.cuda.Stream") -> None:
+        """Start copying the blocks into a new device buffer with room for a ``chunk`` more
+        positions, on ``stream`` (a GPU only; :meth:`to_device` takes it)."""
+        if not self._blocks or self._ahead is not None:
+            return
+        k0 = self._blocks[0][0]
+        B, H, _, D = k0.shape
+        T = self.length
+        with torch.cuda.stream(stream):
+            buf = torch.empty(2, B, H, T + chunk, D, dtype=k0.dtype, device=self.device)
+            at = 0
+            for k, v in self._blocks:
+                n = k.shape[2]
+                buf[0, :, :, at : at + n].copy_(k, non_blocking=True)
+                buf[1, :, :, at : at + n].copy_(v, non_blocking=True)
+                at += n
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._ahead = (buf, done)
+
+    def to_device(self, chunk: int) -> torch.Tensor:
+        """A device buffer ``[2, B, H_kv, T + chunk, D]`` whose first ``T`` positions hold the
+        blocks (the prefetched one, waited for on the current stream, or copied now)."""
+        ahead, self._ahead = self._ahead, None
+        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if ahead is not None and ahead[0].shape[3] == self.length + chunk and current is not None:
+            buf, done = ahead
+            current.wait_event(done)
+            buf.record_stream(current)
+            return buf
+        k0 = self._blocks[0][0]
+        B, H, _, D = k0.shape
+        buf = torch.empty(2, B, H, self.length + chunk, D, dtype=k0.dtype, device=self.device)
+        if current is not None and self._copied is not None:
+            current.wait_event(self._copied)  # the blocks' copies to the host
+        at = 0
+        for k, v in self._blocks:
+            n = k.shape[2]
+            buf[0, :, :, at : at + n].copy_(k, non_blocking=True)
+            buf[1, :, :, at : at + n].copy_(v, non_blocking=True)
+            at += n
+        return buf
+
+    def tail(self, start: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's keys and values at positions ``[start, T)``, ``[B, H_kv, T - start,
+        D]`` host tensors; the blocks must have reached the host (:meth:`wait_copied`)."""
+        ks, vs, at = [], [], 0
+        for k, v in self._blocks:
+            n = k.shape[2]
+            if at + n > start:
+                ks.append(k[:, :, max(0, start - at) :])
+                vs.append(v[:, :, max(0, start - at) :])
+            at += n
+        return torch.cat(ks, 2), torch.cat(vs, 2)
+
+    def gather(self, b: int, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``b``'s keys and values at ``positions`` (sorted, CPU int64) as contiguous
+        host tensors ``[H_kv, n, D]``; the blocks must have reached the host
+        (:meth:`wait_copied`)."""
+        ks, vs, at = [], [], 0
+        for k, v in list(self._blocks):  # the main thread may append meanwhile
+            n = k.shape[2]
+            lo, hi = torch.searchsorted(positions, torch.tensor([at, at + n])).tolist()
+            if hi > lo:
+                idx = positions[lo:hi] - at
+                ks.append(k[b].index_select(1, idx))
+                vs.append(v[b].index_select(1, idx))
+            at += n
+        if not ks:
+            H, D = self._blocks[0][0].shape[1], self._blocks[0][0].shape[3]
+            empty = self._blocks[0][0].new_empty(H, 0, D)
+            return empty, empty.clone()
+        return torch.cat(ks, 1), torch.cat(vs, 1)
