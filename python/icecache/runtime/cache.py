@@ -131,7 +131,7 @@ class IceCache(Cache):
         layers = _cache_layers(layer_types, text_config, config.full_layers, served)
         for layer, after in zip(ice, ice[1:] + ice[:1]):
             layer.next_layer = after
-        self.runtime.served_layers = self.runtime.pinned.ahead = len(ice)
+        self.runtime.served_layers = len(ice)
         super().__init__(layers=layers)
         enable(model)
         generation = getattr(model, "generation_config", None)

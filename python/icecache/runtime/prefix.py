@@ -13,48 +13,11 @@ page stores hold the prompt.
 
 from __future__ import annotations
 
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["HostPrefix", "PinnedBlocks"]
-
-
-class PinnedBlocks:
-    """Pinned host blocks made ahead, on a thread of their own, for the chunks of a prompt.
-
-    Pinning memory is slow on some hosts (``cudaHostAlloc`` takes ~10 ms per 32 MiB on the
-    H200's): made on the main thread, the blocks of a 128k-token prompt stall its prefill by
-    seconds. From a prompt's second chunk on, every block taken is replaced by one of the same
-    shape made ahead (the next chunk has the same size but for the last), so the offload finds
-    it ready. :meth:`drop` lets the unused ones go when the prompt ends.
-
-    Args:
-        ahead: how many blocks of a shape to keep made ahead (one per IceCache layer).
-    """
-
-    def __init__(self, ahead: int):
-        self.ahead = ahead
-        self._maker: Optional[ThreadPoolExecutor] = None
-        self._made: Dict[Tuple[Tuple[int, ...], torch.dtype], Deque[Future]] = {}
-
-    def take(self, shape: Tuple[int, ...], dtype: torch.dtype, again: bool) -> torch.Tensor:
-        """A pinned block of ``shape`` and ``dtype``: one made ahead if there is one, else made
-        now; ``again``: blocks of this shape will be taken again (make the next ones ahead)."""
-        made = self._made.setdefault((shape, dtype), deque())
-        block = made.popleft().result() if made else torch.empty(shape, dtype=dtype, pin_memory=True)
-        if again:
-            if self._maker is None:
-                self._maker = ThreadPoolExecutor(1, thread_name_prefix="icecache-pin")
-            while len(made) < self.ahead:
-                made.append(self._maker.submit(torch.empty, shape, dtype=dtype, pin_memory=True))
-        return block
-
-    def drop(self) -> None:
-        """Let the blocks made ahead go (those still being made, once made)."""
-        self._made = {}
+__all__ = ["HostPrefix"]
 
 
 class HostPrefix:
@@ -63,12 +26,10 @@ class HostPrefix:
 
     Args:
         device: the layer's device.
-        pinned: where its pinned blocks come from (``None``: made when needed).
     """
 
-    def __init__(self, device: torch.device, pinned: Optional[PinnedBlocks] = None):
+    def __init__(self, device: torch.device):
         self.device = device
-        self._pinned = pinned
         self._blocks: List[Tuple[torch.Tensor, torch.Tensor]] = []
         #: The event behind the last block's copy (``None`` on the CPU).
         self._copied: Optional[torch.cuda.Event] = None
@@ -91,11 +52,10 @@ class HostPrefix:
         if stream is None:
             self._blocks.append((k.clone(), v.clone()))
             return
-        shape = (2, *k.shape)
-        if self._pinned is None:
-            pin = torch.empty(shape, dtype=k.dtype, pin_memory=True)
-        else:  # from the second chunk on, the next chunks' blocks are made ahead
-            pin = self._pinned.take(shape, k.dtype, again=bool(self._blocks))
+        # Pinning is slow on some hosts (~10 ms per 32 MiB on the H200's), but made ahead on a
+        # thread of its own it slowed the prefill further (benches/RESULTS.md, "Chunked prefill
+        # in bounded GPU memory").
+        pin = torch.empty((2, *k.shape), dtype=k.dtype, pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             pin[0].copy_(k, non_blocking=True)

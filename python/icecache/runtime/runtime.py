@@ -16,7 +16,6 @@ from icecache import _core
 from icecache.runtime import hostmem
 from icecache.runtime.bridge import Bridges
 from icecache.runtime.config import IceCacheConfig
-from icecache.runtime.prefix import PinnedBlocks
 from icecache.runtime.transfer import Transit
 
 __all__ = ["Runtime", "RuntimeStats"]
@@ -111,8 +110,6 @@ class Runtime:
         self.bridges = Bridges()
         #: The IceCache layers this runtime serves (set by :class:`icecache.IceCache`).
         self.served_layers = 0
-        #: Pinned host blocks for a chunked prefill's host prompt, made ahead (one per layer).
-        self.pinned = PinnedBlocks(ahead=1)
         # Prompt positions whose host memory has been checked, and the host memory available when
         # the prompt began (check_prompt_memory).
         self._host_checked = 0
@@ -203,7 +200,6 @@ class Runtime:
         self.bridges.forget()
         self._made_graph_pool = None
         self._host_checked, self._host_available = 0, None
-        self.pinned.drop()
 
     def tick(self) -> float:
         """A timestamp for the breakdown (after a device sync when :attr:`sync_timing`)."""
