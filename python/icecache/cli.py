@@ -199,9 +199,9 @@ def _add_agreement_parser(evals: Any) -> None:
     )
     ag.add_argument(
         "--page-format",
-        default="native",
+        default="int8",
         choices=["native", "int8"],
-        help="IceCache's host page stores: the model's dtype, or int8 with a scale per row (default native)",
+        help="IceCache's host page stores: the model's dtype, or int8 with a scale per row (default int8)",
     )
     ag.add_argument("--seed", type=int, default=0, help="prompt choice (default 0)")
     ag.add_argument(

@@ -230,8 +230,8 @@ class IceCacheConfig:
             is all cores in a single process; under ``torch.distributed`` with several ranks
             on one host, each rank's even share of them (:mod:`icecache.runtime.parallel`).
         device: where sinks, windows and the page pool live. Default: the model's device.
-        page_format: how the host page stores hold the offloaded K and V. ``"native"``
-            (default): the model's KV dtype. ``"int8"``: int8 codes with one float32 scale per
+        page_format: how the host page stores hold the offloaded K and V. ``"native"``: the
+            model's KV dtype. ``"int8"`` (default): int8 codes with one float32 scale per
             (KV head, token) row (``max |x| / 127``; every value within half a step, up to
             float32 rounding), ``(D + 4) / (2 D)`` of bf16's host and PCIe bytes per page; the
             device dequantises loaded pages into its pool (in the model dtype), so attention
@@ -270,7 +270,7 @@ class IceCacheConfig:
     seed: Optional[int] = 0
     threads: Optional[int] = None
     device: Any = None
-    page_format: str = "native"
+    page_format: str = "int8"
     prefill_chunk: Optional[int] = 8192
 
     def __post_init__(self) -> None:
