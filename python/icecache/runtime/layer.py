@@ -288,43 +288,34 @@ class IceLayer(CacheLayerMixin):
         # come ran at a fraction of a build's pace (benches/RESULTS.md, "Chunked prefill in
         # bounded GPU memory").
         if parts and self._chunks == 1:
-            self.runtime.submit(self._index_chunk, parts, self._valid, self.prefix, self._host_queries())
+            self.runtime.submit(self._index, parts, self._valid, self.prefix, self._host_queries(), False)
 
     def _host_queries(self) -> List[Optional[torch.Tensor]]:
         """Per sequence, its last prompt queries so far on the host (``effort="auto"``)."""
         return [None if q is None else q.cpu() for q in self._q_last]
 
-    def _index_chunk(
+    def _index(
         self,
         parts: List[Tuple[int, int, int]],
         valid: torch.Tensor,
         prefix: HostPrefix,
         q_last: List[Optional[torch.Tensor]],
+        whole: bool,
     ) -> None:
         """Index worker: put each sequence's real tokens ``[lo, hi)`` into its index (the first
-        ones build it), once the chunk's copy to the host has landed; then calibrate each index
-        on its sequence's ``q_last`` queries (``effort="auto"``; ``None``: none)."""
+        ones build it; ``whole``: the whole middle, in one build replacing the first chunk's
+        index), once the prompt's copy to the host has landed; then calibrate each index on its
+        sequence's ``q_last`` queries (``effort="auto"``; ``None``: none)."""
         self.jobs.buffers()  # made here: pinning memory is slow on some hosts
         prefix.wait_copied()
         for b, lo, hi in parts:
+            if whole:
+                self.jobs.restart(b)
             k, v = prefix.gather(b, valid[b].nonzero()[lo:hi, 0])
             self.jobs.catch_up(b, k, v)
         for b, q in enumerate(q_last):
             if q is not None:
                 self.jobs.calibrate(b, q)
-
-    def _index_whole(
-        self,
-        parts: List[Tuple[int, int, int]],
-        valid: torch.Tensor,
-        prefix: HostPrefix,
-        q_last: List[Optional[torch.Tensor]],
-    ) -> None:
-        """Index worker: index each sequence's whole middle, real tokens ``[lo, hi)``, in one
-        build, replacing the first chunk's index, and calibrate it on ``q_last``."""
-        for b, _, _ in parts:
-            self.jobs.restart(b)
-        self._index_chunk(parts, valid, prefix, q_last)
 
     def _finish_prompts(self) -> None:
         """The first decode step: every IceCache layer's prompt is complete (this layer is the
@@ -354,7 +345,7 @@ class IceLayer(CacheLayerMixin):
             unindexed.append(first)
         if self._chunks > 1:
             parts = [(b, min(cfg.sink, self._real[b]), i) for b, i in enumerate(self._indexed) if i > 0]
-            self.runtime.submit(self._index_whole, parts, valid, self.prefix, self._host_queries())
+            self.runtime.submit(self._index, parts, valid, self.prefix, self._host_queries(), True)
         if any(i > 0 for i in self._indexed) and cfg.exact_until_indexed:
             self.runtime.bridges.add(self.layer_idx, self._bridge(valid, unindexed))
         # Dropped here: the index jobs and a bridge that still read it hold it until they end.

@@ -77,17 +77,8 @@ class HostPrefix:
         positions, on ``stream`` (a GPU only; :meth:`to_device` takes it)."""
         if not self._blocks or self._ahead is not None:
             return
-        k0 = self._blocks[0][0]
-        B, H, _, D = k0.shape
-        T = self.length
-        with torch.cuda.stream(stream):
-            buf = torch.empty(2, B, H, T + chunk, D, dtype=k0.dtype, device=self.device)
-            at = 0
-            for k, v in self._blocks:
-                n = k.shape[2]
-                buf[0, :, :, at : at + n].copy_(k, non_blocking=True)
-                buf[1, :, :, at : at + n].copy_(v, non_blocking=True)
-                at += n
+        with torch.cuda.stream(stream):  # behind the offloads, which run on the same stream
+            buf = self._filled(chunk)
             done = torch.cuda.Event()
             done.record(stream)
         self._ahead = (buf, done)
@@ -102,11 +93,16 @@ class HostPrefix:
             current.wait_event(done)
             buf.record_stream(current)
             return buf
+        if current is not None and self._copied is not None:
+            current.wait_event(self._copied)  # the blocks' copies to the host
+        return self._filled(chunk)
+
+    def _filled(self, chunk: int) -> torch.Tensor:
+        """A new device buffer ``[2, B, H_kv, T + chunk, D]`` with the blocks copied into its
+        first ``T`` positions, on the current stream."""
         k0 = self._blocks[0][0]
         B, H, _, D = k0.shape
         buf = torch.empty(2, B, H, self.length + chunk, D, dtype=k0.dtype, device=self.device)
-        if current is not None and self._copied is not None:
-            current.wait_event(self._copied)  # the blocks' copies to the host
         at = 0
         for k, v in self._blocks:
             n = k.shape[2]
