@@ -16,7 +16,7 @@ where that kernel refuses the call, the lower-right mask serves it.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +36,8 @@ def left_padding(valid: torch.Tensor) -> Optional[list]:
     return None
 
 
-# Whether cuDNN's fused attention took the split call (None: not tried yet).
-_cudnn_works: Optional[bool] = None
+#: (head dim, dtype) pairs that cuDNN's fused attention refused: the lower-right mask serves them.
+_cudnn_refused: Set[Tuple[int, torch.dtype]] = set()
 
 
 def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
@@ -61,19 +61,15 @@ def _split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 
 def _lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Lower-right causal attention of ``q`` over ``k``/``v`` with as many heads."""
-    global _cudnn_works
     L, T = q.shape[2], k.shape[2]
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and T > L and _cudnn_works is not False:
+    kind = (q.shape[-1], q.dtype)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and T > L and kind not in _cudnn_refused:
         try:
-            out = _split(q.contiguous(), k, v, scale)
-            _cudnn_works = True
-            return out
+            return _split(q.contiguous(), k, v, scale)
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError:
-            if _cudnn_works:  # it worked before: this is another error
-                raise
-            _cudnn_works = False
+        except RuntimeError:  # cuDNN cannot serve this head dim or dtype here
+            _cudnn_refused.add(kind)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(L, T), scale=scale)
 
 

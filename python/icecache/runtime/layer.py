@@ -247,9 +247,10 @@ class IceLayer(CacheLayerMixin):
 
     def ingest_chunk(self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None) -> None:
         """Offload the prompt chunk taken by :meth:`update` once its exact attention has run:
-        its keys and values go to the host (:class:`HostPrefix`), and each sequence's real
-        tokens that are neither its first ``sink`` nor among its last ``window`` so far go to
-        the index on the index worker (the first ones build it, later ones are inserted).
+        its keys and values go to the host (:class:`HostPrefix`). Each sequence's real tokens
+        that are neither its first ``sink`` nor among its last ``window`` so far are its middle:
+        the first chunk's is indexed on the index worker right away, the whole prompt's in one
+        build when decoding starts if more chunks came (:meth:`_finish_prompt`).
 
         Args:
             valid: ``[B, L]`` bool of the chunk's real (non-padding) positions, or ``None``.
