@@ -9,7 +9,7 @@ host side with its look-ahead jobs (:mod:`.jobs`), the bridge while the indexes 
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -229,15 +229,23 @@ class IceLayer(CacheLayerMixin):
 
     def _prompt_chunk(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """A prompt chunk after the first: the earlier tokens (prefetched from the host by the
-        layer before, or copied now) followed by the chunk's, ``[B, H_kv, T + L, D]``."""
+        layer before, or copied now; the second chunk finds the first on the device) followed
+        by the chunk's, ``[B, H_kv, T + L, D]``."""
         P, L = self.length, k.shape[-2]
-        if self.prefix.length != P:
+        first = self._first_chunk
+        if self._chunk_kv is not None or self.prefix.length + (0 if first is None else first[0].shape[-2]) != P:
             raise RuntimeError(f"IceCache layer {self.layer_idx}: a prompt chunk before the last one's attention")
         self._check_host_memory(k, P + L)
-        buf = self.prefix.to_device(L)
+        if first is None:
+            buf = self.prefix.to_device(L)
+        else:  # the second chunk: the first goes to the host now (several chunks: no bridge from it)
+            self.prefix.offload(*first, self.runtime.copy_stream() if self.device.type == "cuda" else None)
+            self._first_chunk = None
+            B, H, _, D = k.shape
+            buf = torch.empty(2, B, H, P + L, D, dtype=self.dtype, device=self.device)
+            buf[0, :, :, :P], buf[1, :, :, :P] = first
         buf[0, :, :, P:], buf[1, :, :, P:] = k.to(self.device), v.to(self.device)
         self._chunk_kv = (buf[0, :, :, P:], buf[1, :, :, P:])
-        self._first_chunk = None  # several chunks: no bridge (it would hold the whole prompt)
         self.length = P + L
         after = self.next_layer
         if self.device.type == "cuda" and after is not None and after.layer_idx > self.layer_idx:
@@ -246,11 +254,13 @@ class IceLayer(CacheLayerMixin):
         return buf[0], buf[1]
 
     def ingest_chunk(self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None) -> None:
-        """Offload the prompt chunk taken by :meth:`update` once its exact attention has run:
-        its keys and values go to the host (:class:`HostPrefix`). Each sequence's real tokens
-        that are neither its first ``sink`` nor among its last ``window`` so far are its middle:
-        the first chunk's is indexed on the index worker right away, the whole prompt's in one
-        build when decoding starts if more chunks came (:meth:`_finish_prompt`).
+        """Offload the prompt chunk taken by :meth:`update` once its exact attention has run.
+        Each sequence's real tokens that are neither its first ``sink`` nor among its last
+        ``window`` so far are its middle. The first chunk stays on the device, and its middle
+        goes to the index worker right away, copied on the worker's side stream (a prompt of one
+        chunk is then indexed as it always was, with no host copy of its own); a later chunk's
+        keys and values go to the host (:class:`HostPrefix`, the first's with the second), and
+        the whole prompt is indexed in one build when decoding starts (:meth:`_finish_prompt`).
 
         Args:
             valid: ``[B, L]`` bool of the chunk's real (non-padding) positions, or ``None``.
@@ -266,8 +276,8 @@ class IceLayer(CacheLayerMixin):
         if not self._chunks:
             self._real, self._indexed, self._q_last = [0] * B, [0] * B, [None] * B
         self._chunks += 1
-        stream = self.runtime.copy_stream() if self.device.type == "cuda" else None
-        self.prefix.offload(k, v, stream)
+        if self._chunks > 1:
+            self.prefix.offload(k, v, self.runtime.copy_stream() if self.device.type == "cuda" else None)
         valid_host = torch.ones(B, L, dtype=torch.bool) if valid is None else valid.to("cpu", torch.bool)
         self._valid = valid_host if self._valid is None else torch.cat([self._valid, valid_host], 1)
         calibrate = self.jobs.calibrates and queries is not None
@@ -289,29 +299,47 @@ class IceLayer(CacheLayerMixin):
         # come ran at a fraction of a build's pace (benches/RESULTS.md, "Chunked prefill in
         # bounded GPU memory").
         if parts and self._chunks == 1:
-            self.runtime.submit(self._index, parts, self._valid, self.prefix, self._host_queries(), False)
+            middles = []
+            for b, lo, hi in parts:
+                at = valid_host[b].nonzero()[lo:hi, 0]
+                if int(at[-1]) - int(at[0]) + 1 == at.numel():  # contiguous (left padding): a view
+                    kb, vb = k[b][:, int(at[0]) : int(at[-1]) + 1], v[b][:, int(at[0]) : int(at[-1]) + 1]
+                else:
+                    kb, vb = k[b].index_select(1, at.to(k.device)), v[b].index_select(1, at.to(k.device))
+                middles.append((b, kb, vb, self._q_last[b]))
+            ready = None
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+            self.runtime.submit(self._index_first, middles, ready)
 
-    def _host_queries(self) -> List[Optional[torch.Tensor]]:
-        """Per sequence, its last prompt queries so far on the host (``effort="auto"``)."""
-        return [None if q is None else q.cpu() for q in self._q_last]
+    def _index_first(
+        self, middles: List[Tuple[int, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]], ready: Any
+    ) -> None:
+        """Index worker: copy each sequence's first-chunk middle ``(b, keys, values, last
+        queries or None)`` (device) to the host behind ``ready``, the event recorded after the
+        work that produced them, and build its index (and make the decode steps' host buffers:
+        pinning memory is slow on some hosts); calibrate it on the queries (``effort="auto"``)."""
+        self.jobs.buffers()
+        for b, k, v, q in middles:
+            k_host, v_host, *q_host = self.runtime.transit.to_host(ready, k, v, *([] if q is None else [q]))
+            self.jobs.catch_up(b, k_host, v_host)
+            if q_host:
+                self.jobs.calibrate(b, q_host[0])
 
-    def _index(
+    def _index_whole(
         self,
         parts: List[Tuple[int, int, int]],
         valid: torch.Tensor,
         prefix: HostPrefix,
         q_last: List[Optional[torch.Tensor]],
-        whole: bool,
     ) -> None:
-        """Index worker: put each sequence's real tokens ``[lo, hi)`` into its index (the first
-        ones build it; ``whole``: the whole middle, in one build replacing the first chunk's
-        index), once the prompt's copy to the host has landed; then calibrate each index on its
-        sequence's ``q_last`` queries (``effort="auto"``; ``None``: none)."""
-        self.jobs.buffers()  # made here: pinning memory is slow on some hosts
+        """Index worker: index each sequence's whole middle, real tokens ``[lo, hi)``, from the
+        host prompt once its copies have landed, in one build replacing the first chunk's
+        index; then calibrate it on ``q_last`` (``effort="auto"``; ``None``: none)."""
         prefix.wait_copied()
         for b, lo, hi in parts:
-            if whole:
-                self.jobs.restart(b)
+            self.jobs.restart(b)
             k, v = prefix.gather(b, valid[b].nonzero()[lo:hi, 0])
             self.jobs.catch_up(b, k, v)
         for b, q in enumerate(q_last):
@@ -341,12 +369,17 @@ class IceLayer(CacheLayerMixin):
             positions = valid[b].nonzero()[:, 0]
             s = min(cfg.sink, positions.numel())
             first = max(s, self._indexed[b])  # the window's first real token
-            k, v = self.prefix.gather(b, torch.cat([positions[:s], positions[first:]]))
+            keep = torch.cat([positions[:s], positions[first:]])
+            if self._first_chunk is None:
+                k, v = self.prefix.gather(b, keep)
+            else:  # one chunk: still on the device
+                k, v = (t[b].index_select(1, keep.to(self.device)) for t in self._first_chunk)
             self.window.load_prompt(b, k.to(self.device), v.to(self.device))
             unindexed.append(first)
         if self._chunks > 1:
             parts = [(b, min(cfg.sink, self._real[b]), i) for b, i in enumerate(self._indexed) if i > 0]
-            self.runtime.submit(self._index, parts, valid, self.prefix, self._host_queries(), True)
+            q_last = [None if q is None else q.cpu() for q in self._q_last]
+            self.runtime.submit(self._index_whole, parts, valid, self.prefix, q_last)
         if any(i > 0 for i in self._indexed) and cfg.exact_until_indexed:
             self.runtime.bridges.add(self.layer_idx, self._bridge(valid, unindexed))
         # Dropped here: the index jobs and a bridge that still read it hold it until they end.
