@@ -24,6 +24,9 @@ from icecache.runtime.transfer import StepBuffers
 
 __all__ = ["FollowerJobs", "LayerJobs", "LeaderJobs"]
 
+#: One sequence's prompt middle for the index worker: ``(b, keys, values, last queries or None)``.
+Middle = Tuple[int, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+
 
 class LayerJobs:
     """What leaders and followers share: the stores, the decode steps' host buffers (kept
@@ -77,7 +80,7 @@ class LayerJobs:
     def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put sequence ``b``'s tokens ``[H_kv, c, D]`` (CPU) into its index and stores, in
         position order after the ones indexed before (the first ones build the index): the
-        prompt's middle, chunk by chunk, and the tokens that left the window during a bridge."""
+        prompt's middle, and the tokens that left the window during a bridge."""
         raise NotImplementedError
 
     def calibrate(self, b: int, q: torch.Tensor) -> None:
@@ -137,6 +140,20 @@ class LayerJobs:
         if self._made_buffers is not None:
             host += self._made_buffers.nbytes()
         return host
+
+    # -------------------------------------------------------------- prompt
+
+    def index_prompt(self, middles: List[Middle], ready: Optional[torch.cuda.Event]) -> None:
+        """Index worker: copy each sequence's middle tokens (device) to the host behind
+        ``ready``, the event recorded after the work that produced them, and index them (and
+        make the decode steps' host buffers: pinning memory is slow on some hosts); with
+        ``effort="auto"``, calibrate each index on the sequence's last prompt queries."""
+        self.buffers()
+        for b, k, v, q in middles:
+            k_host, v_host, *q_host = self.runtime.transit.to_host(ready, k, v, *([] if q is None else [q]))
+            self.catch_up(b, k_host, v_host)
+            if q_host:
+                self.calibrate(b, q_host[0])
 
     # -------------------------------------------------------------- decode
 

@@ -9,7 +9,7 @@ host side with its look-ahead jobs (:mod:`.jobs`), the bridge while the indexes 
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -18,7 +18,7 @@ from icecache.runtime.bridge import Bridge
 from icecache.runtime.config import CALIBRATION_POSITIONS
 from icecache.runtime.hostmem import bytes_per_token
 from icecache.runtime.integration import hand_off
-from icecache.runtime.jobs import FollowerJobs, LayerJobs, LeaderJobs
+from icecache.runtime.jobs import FollowerJobs, LayerJobs, LeaderJobs, Middle
 from icecache.runtime.pages import PageIndex, PageStore
 from icecache.runtime.prefix import HostPrefix
 from icecache.runtime.probe import track_recall
@@ -299,7 +299,7 @@ class IceLayer(CacheLayerMixin):
         # come ran at a fraction of a build's pace (benches/RESULTS.md, "Chunked prefill in
         # bounded GPU memory").
         if parts and self._chunks == 1:
-            middles = []
+            middles: List[Middle] = []
             for b, lo, hi in parts:
                 at = valid_host[b].nonzero()[lo:hi, 0]
                 if int(at[-1]) - int(at[0]) + 1 == at.numel():  # contiguous (left padding): a view
@@ -311,21 +311,7 @@ class IceLayer(CacheLayerMixin):
             if self.device.type == "cuda":
                 ready = torch.cuda.Event()
                 ready.record()
-            self.runtime.submit(self._index_first, middles, ready)
-
-    def _index_first(
-        self, middles: List[Tuple[int, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]], ready: Any
-    ) -> None:
-        """Index worker: copy each sequence's first-chunk middle ``(b, keys, values, last
-        queries or None)`` (device) to the host behind ``ready``, the event recorded after the
-        work that produced them, and build its index (and make the decode steps' host buffers:
-        pinning memory is slow on some hosts); calibrate it on the queries (``effort="auto"``)."""
-        self.jobs.buffers()
-        for b, k, v, q in middles:
-            k_host, v_host, *q_host = self.runtime.transit.to_host(ready, k, v, *([] if q is None else [q]))
-            self.jobs.catch_up(b, k_host, v_host)
-            if q_host:
-                self.jobs.calibrate(b, q_host[0])
+            self.runtime.submit(self.jobs.index_prompt, middles, ready)
 
     def _index_whole(
         self,
