@@ -906,7 +906,7 @@ def test_generate_one_liner_and_logical_length():
     ids = prompt_ids(200, seed=6)
     with torch.inference_mode():
         full = model.generate(ids, max_new_tokens=20, do_sample=False)
-        cache = IceCache(IceCacheConfig(budget=512, full_layers=1), model)
+        cache = IceCache(IceCacheConfig(budget=512, full_layers=1, page_format="native"), model)
         with warnings.catch_warnings():  # transformers 5.24 renamed it `cache`; both work
             warnings.simplefilter("ignore", FutureWarning)
             ice = model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False)
@@ -1077,7 +1077,8 @@ def _chunked_reuse_after(model, cache, ids, full):
 def test_prompt_beyond_host_memory_raises_memory_error_first(monkeypatch):
     """A prompt chunk whose host bytes (for every served layer) exceed the available memory
     raises MemoryError naming both, before the chunk is taken (each chunk checks the prompt so
-    far against the memory available when it began); reset() then recovers."""
+    far against the memory available when it began; a prompt in chunks also holds a host copy
+    of itself, one forward does not); reset() then recovers."""
     from icecache.runtime import hostmem
 
     model = tiny_model("llama")
@@ -1086,15 +1087,18 @@ def test_prompt_beyond_host_memory_raises_memory_error_first(monkeypatch):
     cfg = IceCacheConfig(budget=1024, full_layers=1, exact_until_indexed=False, page_format="native")
     cache = IceCache(cfg, model)
     text = model.config
-    per_token = hostmem.bytes_per_token(text.num_key_value_heads, text.head_dim, torch.float32, "native")
+    per_token = hostmem.bytes_per_token(text.num_key_value_heads, text.head_dim, torch.float32, "native", True)
     layers = cache.runtime.served_layers
     monkeypatch.setattr(hostmem, "available_bytes", lambda: 200 * per_token * layers)
-    for chunk in (None, 64):  # the whole prompt does not fit; the first three chunks do
-        with pytest.raises(MemoryError, match=r"GiB of host memory .* GiB were available"):
-            run_steps(model, ids, cache, 8, chunk=chunk)
-        # Nothing of the failing chunk was taken.
-        assert all(layer.prefix.length == (0 if chunk is None else 192) for layer in ice_layers(cache))
-        cache.reset()
+    # One forward holds no host copy of the prompt: 300 tokens need less than 200 streamed ones.
+    one = hostmem.bytes_per_token(text.num_key_value_heads, text.head_dim, torch.float32, "native", False)
+    assert 300 * one < 200 * per_token
+    torch.testing.assert_close(run_steps(model, ids, cache, 8), full, rtol=1e-4, atol=1e-4)  # it fits
+    cache.reset()
+    with pytest.raises(MemoryError, match=r"GiB of host memory .* GiB were available"):
+        run_steps(model, ids, cache, 8, chunk=64)  # the first three chunks fit
+    assert all(layer.prefix.length == 192 for layer in ice_layers(cache))  # the fourth was not taken
+    cache.reset()
     monkeypatch.undo()
     _chunked_reuse_after(model, cache, ids, full)
 
@@ -1132,7 +1136,9 @@ def test_generate_prefill_chunk_size_and_default_chunk():
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids))
     with torch.inference_mode():
         full = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
-        cfg = IceCacheConfig(budget=1024, full_layers=1, exact_until_indexed=False, prefill_chunk=48)
+        cfg = IceCacheConfig(
+            budget=1024, full_layers=1, exact_until_indexed=False, prefill_chunk=48, page_format="native"
+        )
         cache = IceCache(cfg, model)
         assert model.generation_config.prefill_chunk_size == 48
         ice = model.generate(ids, cache=cache, **kw)
@@ -1184,7 +1190,7 @@ def test_demo_chunked_prefill_matches_one_forward():
         ref = model(ids[:, -1:], cache=copy.deepcopy(whole)).logits
         got = model(ids[:, -1:], cache=copy.deepcopy(chunked)).logits
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-        cfg = IceCacheConfig(budget=1024, full_layers=0)
+        cfg = IceCacheConfig(budget=1024, full_layers=0, page_format="native")  # exact: 16-bit pages
         ice = model(ids[:, -1:], cache=IceCache.from_prefilled(cfg, model, chunked)).logits
         torch.testing.assert_close(ice, ref, rtol=1e-4, atol=1e-4)
 

@@ -51,7 +51,7 @@ def test_cuda_budget_covering_context_matches_full_cache(dtype, lookahead):
     model = tiny_model("llama").cuda().to(dtype)
     ids, mask = _padded_batch()
     full = run_steps(model, ids, DynamicCache(config=model.config), 40, attention_mask=mask)
-    cfg = IceCacheConfig(budget=1024, full_layers=1, lookahead=lookahead)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, lookahead=lookahead, page_format="native")
     ice = run_steps(model, ids, IceCache(cfg, model), 40, attention_mask=mask)
     if dtype == torch.float32:
         torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
@@ -206,7 +206,7 @@ def test_cuda_bridge_is_exact_then_hands_over(dtype, chunk):
     model = tiny_model("llama").cuda().to(dtype)
     ids, mask = _padded_batch()
     full = run_steps(model, ids, DynamicCache(config=model.config), 40, attention_mask=mask)
-    cfg = IceCacheConfig(budget=1024, full_layers=1)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, page_format="native")  # exact: 16-bit pages
     ice, cache, bridging = _held_bridge_run(model, ids, mask, cfg, 17, 40, chunk=chunk)
     assert all((bridge.host is not None) == (chunk is not None) for bridge in bridging[0])
     assert [all(step) for step in bridging] == [True] * 18 + [False] * 22  # the 18th hands 17 tokens to the worker

@@ -1,8 +1,8 @@
 """Host memory for a prompt: what its offloaded tokens need, what the machine has, and the check
 that a prompt chunk makes before anything of it is allocated.
 
-While a prompt streams in, each IceCache layer holds its keys and values twice in host memory:
-once as they came (:class:`icecache.runtime.prefix.HostPrefix`, read back by the next chunks and
+While a prompt of several chunks streams in, each IceCache layer holds its keys and values twice
+in host memory: once as they came (:class:`icecache.runtime.prefix.HostPrefix`, read back by the next chunks and
 the first decode steps) and once in the page stores with the index, which are built after the
 last chunk. So each chunk checks the whole prompt so far against the memory that was available
 when the prompt began: a prompt that cannot fit raises :class:`MemoryError` naming both
@@ -54,14 +54,15 @@ def available_bytes() -> Optional[int]:
     return avail
 
 
-def bytes_per_token(heads: int, dim: int, dtype: torch.dtype, page_format: str) -> int:
-    """Resident host bytes one prompt token of one layer needs while the prompt streams in: its
-    keys and values as they came, and in the page stores with the index."""
+def bytes_per_token(heads: int, dim: int, dtype: torch.dtype, page_format: str, streamed: bool) -> int:
+    """Resident host bytes one prompt token of one layer needs: in the page stores with the
+    index, and with ``streamed`` (a prompt of several chunks) its keys and values as they came
+    too (a prompt of one chunk has no host copy of its own)."""
     size = torch.empty((), dtype=dtype).element_size()
     came = 2 * dim * size
     rows = dim + 4  # an int8 row and its float32 scale: what the index reads
     stored = 2 * rows if page_format == "int8" else came + rows
-    return heads * (came + (stored + INDEX_BYTES) * PAGE_SLACK_PERCENT // 100)
+    return heads * ((came if streamed else 0) + (stored + INDEX_BYTES) * PAGE_SLACK_PERCENT // 100)
 
 
 def check_prompt_fits(tokens: int, per_token: int, layers: int, available: Optional[int]) -> None:

@@ -132,7 +132,7 @@ class IceLayer(CacheLayerMixin):
         """
         T = key_states.shape[-2]
         if not self.is_initialized:
-            self._check_host_memory(key_states, T)
+            self._check_host_memory(key_states, T, streamed=False)
             self.lazy_initialization(key_states, value_states)
             self._chunk_kv = self._first_chunk = (key_states, value_states)
             self.length = T
@@ -220,11 +220,12 @@ class IceLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ prompt
 
-    def _check_host_memory(self, k: torch.Tensor, length: int) -> None:
+    def _check_host_memory(self, k: torch.Tensor, length: int, streamed: bool) -> None:
         """Raise :class:`MemoryError` before a prompt chunk ending at ``length`` whose host memory
-        the machine does not have (the first layer checks for all)."""
+        the machine does not have (the first layer checks for all); ``streamed``: a later chunk,
+        so the prompt is held on the host as it came too."""
         B, H, _, D = k.shape
-        per_token = bytes_per_token(H, D, k.dtype, self.runtime.config.page_format)
+        per_token = bytes_per_token(H, D, k.dtype, self.runtime.config.page_format, streamed)
         self.runtime.check_prompt_memory(length, B, per_token)
 
     def _prompt_chunk(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -235,7 +236,7 @@ class IceLayer(CacheLayerMixin):
         first = self._first_chunk
         if self._chunk_kv is not None or self.prefix.length + (0 if first is None else first[0].shape[-2]) != P:
             raise RuntimeError(f"IceCache layer {self.layer_idx}: a prompt chunk before the last one's attention")
-        self._check_host_memory(k, P + L)
+        self._check_host_memory(k, P + L, streamed=True)
         if first is None:
             buf = self.prefix.to_device(L)
         else:  # the second chunk: the first goes to the host now (several chunks: no bridge from it)
@@ -406,7 +407,7 @@ class IceLayer(CacheLayerMixin):
         ran elsewhere (:meth:`IceCache.from_prefilled`); ``valid`` as for :meth:`ingest_chunk`."""
         if self.is_initialized:
             raise RuntimeError(f"IceCache layer {self.layer_idx} holds a prompt already")
-        self._check_host_memory(k, k.shape[-2])
+        self._check_host_memory(k, k.shape[-2], streamed=False)
         k, v = k.to(self.runtime.device), v.to(self.runtime.device)
         self.lazy_initialization(k, v)
         self.length = k.shape[-2]

@@ -1,11 +1,12 @@
 """The prompt of one IceCache layer in host memory while it streams in, chunk by chunk.
 
 A prompt may come in several forwards (chunked prefill). Each chunk's attention is exact over
-every earlier token, but an IceCache layer keeps none of them on the device: each chunk's keys
-and values leave for the host on the runtime's copy stream right after the chunk's attention
-(:meth:`HostPrefix.offload`), and the next chunk reads them back, layer by layer, into a device
-buffer that the layer before started filling on the same stream (:meth:`HostPrefix.prefetch`),
-so that the copy overlaps that layer's work. The index worker reads its middle tokens from here
+every earlier token, but an IceCache layer keeps none of them on the device but the first chunk,
+until a second comes: from then on each chunk's keys and values (the first's with the second)
+leave for the host on the runtime's copy stream (:meth:`HostPrefix.offload`), and the next
+chunk reads them back, layer by layer, into a device buffer that the layer before started
+filling on the same stream (:meth:`HostPrefix.prefetch`), so that the copy overlaps that
+layer's work. The index worker reads its middle tokens from here
 (:meth:`HostPrefix.gather`). Once decoding starts, the first steps read it back the same way
 until the indexes are ready (:class:`icecache.runtime.bridge.Bridge`); then it is dropped: the
 page stores hold the prompt.
