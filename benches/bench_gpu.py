@@ -45,7 +45,12 @@ own shard. Per context length, one prompt of random tokens:
   pages from step to step, see RESULTS.md).
 
 Variants: ``full`` DynamicCache + SDPA, ``fullfi`` DynamicCache + FlashInfer single-sequence
-decode (needs FlashInfer; batch 1), ``ice`` IceCache (look-ahead), ``ice3`` IceCache with
+decode (needs FlashInfer; batch 1), ``full-compile`` transformers' fastest full-cache decode:
+``StaticCache`` + ``generate``, which compiles the decode step with ``torch.compile`` (mode
+``reduce-overhead``, CUDA graphs) on a GPU (:class:`CompiledFull`; each of its rounds is one
+``generate`` call that prefills the prompt again, its TTST is that call's second token, and the
+compile's warm-up, one call before the rounds, is reported on its own line and left out of
+TTST and TPOT), ``ice`` IceCache (look-ahead), ``ice3`` IceCache with
 reuse 3, ``ice-wait`` IceCache whose first decode step waits for the index
 (``exact_until_indexed=False``), ``ice-r2`` IceCache selecting a new superset every second step, ``ice-fixed`` and
 ``ice-adaptive`` IceCache with that ``budget_mode``, ``ice-int8`` IceCache with 8-bit host
@@ -195,6 +200,71 @@ def build_model(cfg, device, world: int):
 
 #: Decode attention of the full-cache FlashInfer variant is on while this holds True.
 _FULL_FLASHINFER = [False]
+
+
+class _TokenClock:
+    """A logits processor that notes when each token's logits are ready, after a device sync (as
+    every other variant's step is timed); it changes no score."""
+
+    def __init__(self):
+        self.times: List[float] = []
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        if scores.is_cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return scores
+
+
+class CompiledFull:
+    """The fastest full-cache decode transformers offers: a ``StaticCache`` and ``generate``, which
+    compiles its decode step with ``torch.compile`` (mode ``reduce-overhead``: CUDA graphs) on a
+    GPU. One cache serves every call, emptied in place (a new cache's tensors would recompile the
+    step); each call prefills the prompt again (eagerly, in one forward) and decodes. The model's
+    attention is SDPA during the call (the bench's own otherwise), and any prefill chunk size an
+    IceCache set on the generation config is off.
+
+    Args:
+        model: the bench's model.
+        kw: the name of ``generate``'s cache argument.
+        length: the cache's positions (prompt and every token decoded in one call).
+    """
+
+    def __init__(self, model, kw: str, length: int):
+        from transformers import StaticCache
+
+        self.model, self.kw = model, kw
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        self.layers = self.cache.layers
+
+    def generate(self, ids, tokens: int) -> List[float]:
+        """Prefill ``ids`` and decode until ``tokens`` new tokens; the times (``perf_counter``)
+        at which the call started and each new token's logits were ready."""
+        from transformers import LogitsProcessorList
+
+        model, chunk = self.model, self.model.generation_config.prefill_chunk_size
+        clock = _TokenClock()
+        self.cache.reset()
+        model.set_attn_implementation("sdpa")
+        model.generation_config.prefill_chunk_size = None
+        try:
+            start = time.perf_counter()
+            model.generate(
+                ids,
+                attention_mask=ids.new_ones(ids.shape),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,  # random weights may emit the end token
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([clock]),
+                **{self.kw: self.cache},
+            )
+        finally:
+            model.generation_config.prefill_chunk_size = chunk
+            model.set_attn_implementation("bench")
+        return [start, *clock.times]
 
 
 @dataclass
@@ -347,7 +417,8 @@ def main(argv=None) -> int:
         "--variants",
         nargs="+",
         default=["full", "ice", "ice3"],
-        help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode (batch 1); ice: IceCache; "
+        help="full: DynamicCache+SDPA; fullfi: DynamicCache+FlashInfer decode (batch 1); full-compile: "
+        "StaticCache + generate, decode step compiled (torch.compile, CUDA graphs); ice: IceCache; "
         "ice3: IceCache reuse=3; fresh: IceCache with fresh selection; ice-fixed, ice-adaptive: IceCache "
         "with that budget_mode; ice-auto: IceCache with effort='auto' (calibrated during prefill); ice "
         "followed by any of -int8 (page_format), -gv/-ov (group_view on/off), -wait "
@@ -443,6 +514,9 @@ def main(argv=None) -> int:
         return cache
 
     def ttst(cache, ids):
+        if isinstance(cache, CompiledFull):
+            times = cache.generate(ids, 2)
+            return times[2] - times[0], times[1] - times[0], None, None
         sync()
         t = time.perf_counter()
         with torch.inference_mode():
@@ -501,6 +575,17 @@ def main(argv=None) -> int:
             "ice-adaptive": ("IceCache budget_mode=adaptive", lambda: make_ice(1, budget_mode="adaptive")),
             "ice-auto": ("IceCache effort=auto", lambda: make_ice(1, effort="auto")),
         }
+        if "full-compile" in args.variants:
+            # One static cache for every round at this context (a new one would recompile).
+            compiled = CompiledFull(model, kw, n + args.steps + 8)
+            makers["full-compile"] = ("full (static, torch.compile)", lambda compiled=compiled: compiled)
+            t = time.perf_counter()
+            compiled.generate(ids, 8)
+            compile_warmup = time.perf_counter() - t
+            log(
+                f"{n}: full (static, torch.compile): warm-up {compile_warmup:.1f} s (one generate call: prefill, "
+                f"8 tokens, and compiling the decode step: {'yes' if hasattr(model, '_compiled_call') else 'no'})"
+            )
         for v in args.variants:  # ice-wait, ice-r2, ice-int8, ice-tN and combinations: ice-int8-gv-r2
             options = ice_options(v) if v not in makers else None
             if options:
@@ -552,7 +637,7 @@ def main(argv=None) -> int:
             v["ttst"], v["ttst_rounds"] = statistics.median(ttsts[name]), ttsts[name]
         with torch.inference_mode():
             for v in variants.values():
-                for _ in range(args.warmup):
+                for _ in range(0 if isinstance(v["cache"], CompiledFull) else args.warmup):
                     v["tok"] = step(v["cache"], v["tok"])
             sync()
             for v in variants.values():
@@ -563,6 +648,10 @@ def main(argv=None) -> int:
                 order = names[rep % len(names) :] + names[: rep % len(names)]
                 for name in order:
                     v = variants[name]
+                    if isinstance(v["cache"], CompiledFull):  # a generate call: prefill, then the steps
+                        times = v["cache"].generate(ids, args.steps + 2)
+                        v["steps"] += [b - a for a, b in zip(times[2:], times[3:])]
+                        continue
                     for _ in range(args.steps):
                         t = time.perf_counter()
                         v["tok"] = step(v["cache"], v["tok"])
@@ -602,6 +691,8 @@ def main(argv=None) -> int:
                 v["pages_loaded"] = s.pages_loaded / args.profile_steps
                 v["pages_selected"] = s.pages_selected / args.profile_steps
             for name, v in variants.items() if args.cprofile else ():
+                if isinstance(v["cache"], CompiledFull):
+                    continue
 
                 def steps(v=v):
                     for _ in range(args.cprofile):
@@ -652,9 +743,12 @@ def main(argv=None) -> int:
             ):
                 if k in v:
                     row[k] = v[k]
+            if isinstance(cache, CompiledFull):
+                row["compile_warmup_s"] = compile_warmup
             results.append(row)
             log(json.dumps(row))
         del variants
+        makers.clear()  # the static cache
         if cuda:
             torch.cuda.empty_cache()
 
@@ -717,6 +811,10 @@ def main(argv=None) -> int:
             f"{ready} | {r['tpot_ms']:.1f} | {ratio:.2f} | {r['batch'] / r['tpot_ms'] * 1e3:.1f} | "
             f"{parts} | {r['device_kv_bytes'] / 2**20:.0f} | {r['host_bytes'] / 2**20:.0f} |"
         )
+    for r in results:
+        if "compile_warmup_s" in r:
+            warm = r["compile_warmup_s"]
+            lines.append(f"\n{r['context']}: {r['variant']}: compile warm-up {warm:.1f} s (not in TTST or TPOT)")
     if cuda:
         lines += ["", *capacity(results, model)]
     table = "\n".join(lines)
