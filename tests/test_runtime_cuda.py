@@ -12,6 +12,7 @@ from icecache.attend import ranked_decode_attention  # noqa: E402
 from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 from isolated import isolated  # noqa: E402
 from test_runtime import (  # noqa: E402, F401 (pool_checks is a fixture)
+    CACHE_KW,
     _held_bridge_run,
     _naive_ranked,
     _ranked_inputs,
@@ -282,3 +283,76 @@ print(float((run_steps(model, ids, cache, 30) - eager).abs().max()) < 1e-5)
         timeout=600,
     )
     assert out == ["True", "True True", "True"], out
+
+
+def test_cuda_chunked_prefill_peak_at_64k_stays_under_its_bound():
+    """Llama-3.1-8B's layer shape (4 layers: 2 full-cache, 2 served by IceCache; random bf16
+    weights), a 65,536-token prompt in the default chunks of 8,192, then two decode steps: the
+    device memory beyond the weights peaks under 2.5 GiB. That bound is what the design holds at
+    once: the full layers' KV (0.5 GiB), one IceCache layer's earlier prompt read back twice (the
+    current buffer and the next layer's prefetch, 2 x 0.28 GiB), a chunk's activations (~1 GiB)
+    and the first step's bridge. The same prompt in one forward through the full cache peaks
+    above it (its KV and a 64k-token forward's activations): the bound can fail."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=70000,
+        rope_theta=500000.0,
+    )
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (1, 65536), device="cuda")
+    weights = torch.cuda.memory_allocated()
+
+    def peak(cache, chunk):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            for at in range(0, ids.shape[1], chunk):
+                out = model(ids[:, at : at + chunk], logits_to_keep=1, **{CACHE_KW: cache})
+            for _ in range(2):
+                out = model(out.logits[:, -1:].argmax(-1), logits_to_keep=1, **{CACHE_KW: cache})
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - weights) / 2**30
+
+    ice = IceCache(IceCacheConfig(budget=256, full_layers=2), model)
+    ice_peak = peak(ice, IceCacheConfig().prefill_chunk)
+    ice.reset()
+    del ice
+    full_peak = peak(DynamicCache(config=model.config), ids.shape[1])
+    assert ice_peak <= 2.5 < full_peak, (ice_peak, full_peak)
+
+
+def test_cuda_second_chunked_prompt_reuses_the_first_ones_pinned_blocks():
+    """Two prompts in chunks on one cache, reset between: the first's pinned host blocks come
+    back to the process's pool once its index is built and serve the second's host copy; the
+    second decodes as a fresh cache does; the blocks the second did not take are released when
+    its decoding starts."""
+    model = tiny_model("llama").cuda()
+    first, second = prompt_ids(300, seed=3).cuda(), prompt_ids(256, seed=4).cuda()  # blocks: 5 and 4 a layer
+    cfg = IceCacheConfig(budget=1024, full_layers=1, page_format="native", exact_until_indexed=False)
+    cache = IceCache(cfg, model)
+    run_steps(model, first, cache, 4, chunk=64)
+    pinned = cache.runtime.pinned
+    kept = pinned.nbytes()
+    assert kept > 0  # the first prompt's blocks, free once its index was built
+    blocks = {b.data_ptr() for blocks in pinned._free.values() for b in blocks}
+    with torch.inference_mode():
+        cache.reset()
+    got = run_steps(model, second, cache, 4, chunk=64)
+    assert pinned.nbytes() < kept  # the second took some (back now); the rest were released
+    assert {b.data_ptr() for blocks in pinned._free.values() for b in blocks} <= blocks
+    want = run_steps(model, second, IceCache(cfg, model), 4, chunk=64)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
