@@ -1175,6 +1175,32 @@ def test_chunk_attention_equals_masked_attention():
         chunk_attention(q, k, v, holes, D**-0.5)
 
 
+def test_pinned_blocks_are_reused_by_size_class_and_trimmed():
+    """A runtime's host blocks for chunked prompts: a view of the right shape from a
+    power-of-two block; a block given back serves the next take of its size class (the same
+    memory), a shorter shape of another class gets a new one; trim releases every free block."""
+    from icecache.runtime.prefix import HostPrefix, PinnedBlocks
+
+    pinned = PinnedBlocks()
+    a = pinned.take((2, 1, 2, 5, 4), torch.float32)  # 80 elements: a block of 128
+    assert a.shape == (2, 1, 2, 5, 4) and a.is_contiguous() and pinned.nbytes() == 0
+    pinned.give_back([a])
+    assert pinned.nbytes() == 128 * 4
+    b = pinned.take((2, 1, 2, 6, 4), torch.float32)  # 96: the same class, the same block
+    assert b.data_ptr() == a.data_ptr() and pinned.nbytes() == 0
+    c = pinned.take((2, 1, 2, 3, 4), torch.float32)  # 48: a block of 64
+    assert c.data_ptr() != a.data_ptr()
+    d = pinned.take((2, 1, 2, 6, 4), torch.bfloat16)  # another dtype: a new block
+    assert d.data_ptr() != a.data_ptr()
+    # A HostPrefix gives its blocks back when it is dropped.
+    prefix = HostPrefix(torch.device("cpu"), pinned)
+    prefix._taken.extend([b, c])
+    del prefix
+    assert pinned.nbytes() == (128 + 64) * 4
+    pinned.trim()
+    assert pinned.nbytes() == 0
+
+
 def test_demo_chunked_prefill_matches_one_forward():
     """The demo prefills Gemma 3 in chunks into a DynamicCache with sliding-window layers;
     decoding on from it (full cache or IceCache) matches a one-forward prefill."""

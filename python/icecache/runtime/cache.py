@@ -204,7 +204,9 @@ class IceCache(Cache):
         """KV bytes held now: ``{"device": ..., "host": ...}``. Device bytes are every layer's
         on-device cache (full and sliding layers' caches; sinks, windows and page pools of
         IceCache layers); host bytes are the CPU page stores, the indexes (trees and page
-        layouts, ``HeadForest.nbytes``), staging and transit buffers."""
+        layouts, ``HeadForest.nbytes``), staging and transit buffers, and a chunked prompt's host
+        copy while it is held (not the pinned blocks the process keeps for the next prompt,
+        :data:`icecache.runtime.prefix.PINNED`)."""
         total = {"device": 0, "host": self.runtime.transit.nbytes()}
         for layer in self.layers:
             if isinstance(layer, IceLayer):

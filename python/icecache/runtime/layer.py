@@ -86,7 +86,7 @@ class IceLayer(CacheLayerMixin):
         self.length = 0
         self.decoding = False
         #: The prompt's keys and values in host memory while it streams in (chunked prefill).
-        self.prefix = HostPrefix(self.runtime.device)
+        self.prefix = HostPrefix(self.runtime.device, self.runtime.pinned)
         # The current chunk's keys and values on the device, until its attention has run; the
         # first chunk's until a second one comes (a bridge decodes from them).
         self._chunk_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
@@ -340,6 +340,7 @@ class IceLayer(CacheLayerMixin):
         while layer is not None and not layer.decoding:
             layer._finish_prompt()
             layer = layer.next_layer
+        self.runtime.pinned.trim()  # what this prompt did not take of the last one's blocks
 
     def _finish_prompt(self) -> None:
         """Put each sequence's first ``sink`` and last real prompt tokens on the device (the
@@ -370,7 +371,7 @@ class IceLayer(CacheLayerMixin):
         if any(i > 0 for i in self._indexed) and cfg.exact_until_indexed:
             self.runtime.bridges.add(self.layer_idx, self._bridge(valid, unindexed))
         # Dropped here: the index jobs and a bridge that still read it hold it until they end.
-        self.prefix = HostPrefix(self.runtime.device)
+        self.prefix = HostPrefix(self.runtime.device, self.runtime.pinned)
         self._first_chunk = None
         self._valid = None
         self._q_last = []

@@ -10,15 +10,70 @@ layer's work. The index worker reads its middle tokens from here
 (:meth:`HostPrefix.gather`). Once decoding starts, the first steps read it back the same way
 until the indexes are ready (:class:`icecache.runtime.bridge.Bridge`); then it is dropped: the
 page stores hold the prompt.
+
+Pinning host memory is slow on some hosts (~8 ms per 32 MiB on the H200's, on the main thread,
+more than the chunk's compute), so the process keeps the blocks of its last chunked prompt for
+the next one, whichever cache takes it (:data:`PINNED`): the next prompt's prefill needs that
+much host memory anyway.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import threading
+import weakref
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["HostPrefix"]
+__all__ = ["PINNED", "HostPrefix", "PinnedBlocks"]
+
+
+class PinnedBlocks:
+    """Pinned host blocks that chunked prompts share: a :class:`HostPrefix` takes its blocks
+    here and they come back when it is dropped (from whichever thread drops it). The free blocks
+    that the next prompt does not take are released when that prompt's decoding starts
+    (:meth:`trim`), so at most the last chunked prompt's blocks are kept. Blocks
+    are flat, in power-of-two sizes, so that a prompt's last, shorter chunk finds one too; they
+    are pinned where a GPU is, plain host memory elsewhere."""
+
+    def __init__(self) -> None:
+        self._free: Dict[Tuple[int, torch.dtype], List[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A pinned tensor of ``shape``: a view of a free block, or of a new one."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        size = 1 << max(0, numel - 1).bit_length()
+        with self._lock:
+            free = self._free.get((size, dtype))
+            block = free.pop() if free else None
+        if block is None:
+            block = torch.empty(size, dtype=dtype, pin_memory=torch.cuda.is_available())
+        return block[:numel].view(shape)
+
+    def give_back(self, blocks: List[torch.Tensor]) -> None:
+        """Return views made by :meth:`take` (their whole blocks become free)."""
+        with self._lock:
+            for view in blocks:
+                block = view._base if view._base is not None else view
+                self._free.setdefault((block.numel(), block.dtype), []).append(block)
+
+    def trim(self) -> None:
+        """Release every free block."""
+        with self._lock:
+            self._free = {}
+
+    def nbytes(self) -> int:
+        """Bytes of the free blocks."""
+        with self._lock:
+            return sum(b.numel() * b.element_size() for blocks in self._free.values() for b in blocks)
+
+
+#: The process's pinned blocks for chunked prompts (every IceCache's). ``PINNED.nbytes()`` is
+#: what it keeps now; ``PINNED.trim()`` releases it.
+PINNED = PinnedBlocks()
 
 
 class HostPrefix:
@@ -27,11 +82,21 @@ class HostPrefix:
 
     Args:
         device: the layer's device.
+        pinned: where its pinned blocks come from and go back to when it is dropped (``None``:
+            new blocks each time).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pinned: Optional[PinnedBlocks] = None):
         self.device = device
         self._blocks: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._pinned = pinned
+        # The pinned tensors taken, given back when this object is dropped: the index job and
+        # the bridge that read it hold it until they end. A copy from a block still in flight
+        # then is ordered before the next prompt's copy into it, which runs on the same copy
+        # stream behind the current stream's work.
+        self._taken: List[torch.Tensor] = []
+        if pinned is not None:
+            weakref.finalize(self, pinned.give_back, self._taken)
         #: The event behind the last block's copy (``None`` on the CPU).
         self._copied: Optional[torch.cuda.Event] = None
         # A prefetched device buffer [2, B, H_kv, T + chunk, D] (tokens [0, T) being filled) and
@@ -53,10 +118,13 @@ class HostPrefix:
         if stream is None:
             self._blocks.append((k.clone(), v.clone()))
             return
-        # Pinning is slow on some hosts (~10 ms per 32 MiB on the H200's), but made ahead on a
-        # thread of its own it slowed the prefill further (benches/RESULTS.md, "Chunked prefill
-        # in bounded GPU memory").
-        pin = torch.empty((2, *k.shape), dtype=k.dtype, pin_memory=True)
+        # Pinning made ahead on a thread of its own slowed the prefill further (benches/RESULTS.md,
+        # "Chunked prefill in bounded GPU memory"): blocks are pinned here, or reused.
+        if self._pinned is None:
+            pin = torch.empty((2, *k.shape), dtype=k.dtype, pin_memory=True)
+        else:
+            pin = self._pinned.take((2, *k.shape), k.dtype)
+            self._taken.append(pin)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             pin[0].copy_(k, non_blocking=True)

@@ -16,6 +16,7 @@ from icecache import _core
 from icecache.runtime import hostmem
 from icecache.runtime.bridge import Bridges
 from icecache.runtime.config import IceCacheConfig
+from icecache.runtime.prefix import PINNED
 from icecache.runtime.transfer import Transit
 
 __all__ = ["Runtime", "RuntimeStats"]
@@ -106,6 +107,8 @@ class Runtime:
         self.sync_timing = False
         #: The prefill's reused host buffer for device-to-host copies on the index worker.
         self.transit = Transit(device)
+        #: The pinned host blocks of chunked prompts, kept for the next prompt (the process's).
+        self.pinned = PINNED
         #: The layers' bridges (``IceCacheConfig.exact_until_indexed``) and when they end.
         self.bridges = Bridges()
         #: The IceCache layers this runtime serves (set by :class:`icecache.IceCache`).
@@ -174,7 +177,9 @@ class Runtime:
         :class:`MemoryError`)."""
         if length > self._host_checked:
             if self._host_checked == 0:
-                self._host_available = hostmem.available_bytes()
+                available = hostmem.available_bytes()
+                # The pinned blocks kept from the last prompt serve this one's host copy.
+                self._host_available = None if available is None else available + self.pinned.nbytes()
             hostmem.check_prompt_fits(length * batch, per_token, self.served_layers, self._host_available)
             self._host_checked = length
 
