@@ -7,19 +7,23 @@ Variants (each from an empty cache, in the order given, after one warm-up prefil
 - ``full-cN``: ``DynamicCache``, the prompt in chunks of N (transformers' ``prefill_chunk_size``);
 - ``offloaded``: ``DynamicCache(offloading=True)``, one forward;
 - ``ice``: IceCache with its defaults (the prompt in ``IceCacheConfig.prefill_chunk`` chunks);
-- ``ice-cN``: IceCache with ``prefill_chunk=N``.
+- ``ice-cN``: IceCache with ``prefill_chunk=N``;
+- ``ice-again``: the cache of the IceCache variant run last, ``reset()``, prefilled again: it
+  keeps its last chunked prompt's pinned host blocks for the next prompt, which pins none.
 
 Per variant: the peak of ``torch.cuda.max_memory_allocated()`` beyond the weights over prefill
 and decode; the device memory held while decoding; the prefill's time (every chunk's forward,
 synced); the time to the second token (prefill + one decode step, which for IceCache includes
 waiting for the last index work); the median time per token over ``--steps`` decode steps. A
 variant that runs out of device memory is reported as such. ``--memory-cap-gib`` caps the
-process as a smaller card would (``torch.cuda.set_per_process_memory_fraction``).
+process as a smaller card would (``torch.cuda.set_per_process_memory_fraction``). After
+``--max-bridged`` bridged steps the run waits for the indexes (reported as ``waited``);
+``--profile`` prints a torch.profiler table of each variant's prefill.
 
 Usage (the lent H200; Llama-3.1-8B shape, random bf16 weights)::
 
     python3 benches/bench_prefill.py --contexts 131072 --variants full full-c8192 ice ice-c4096 ice-c16384
-    python3 benches/bench_prefill.py --contexts 524288 --memory-cap-gib 40 --variants ice
+    python3 benches/bench_prefill.py --contexts 524288 --memory-cap-gib 40 --variants ice --max-bridged 8
 """
 
 from __future__ import annotations
@@ -45,7 +49,15 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--memory-cap-gib", type=float, default=None, help="cap the process's GPU memory, as a smaller card"
     )
-    ap.add_argument("--max-bridged", type=int, default=1000, help="most steps decoded before the indexes are ready")
+    ap.add_argument(
+        "--max-bridged",
+        type=int,
+        default=1000,
+        help="most steps decoded before the indexes are ready; then the run waits for them",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="print a torch.profiler table of each variant's prefill (CPU and CUDA)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -76,7 +88,16 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    kept = []  # the last IceCache variant's cache and chunk, for ice-again
+
     def make(variant):
+        if variant == "ice-again":
+            if not kept:
+                raise SystemExit("ice-again must follow an IceCache variant")
+            cache, chunk = kept[-1]
+            with torch.inference_mode():
+                cache.reset()
+            return cache, chunk
         if variant == "full" or variant.startswith("full-c"):
             return DynamicCache(config=model.config), int(variant[6:]) if variant.startswith("full-c") else None
         if variant == "offloaded":
@@ -85,8 +106,12 @@ def main(argv=None) -> int:
             chunk = int(variant[5:]) if variant.startswith("ice-c") else IceCacheConfig().prefill_chunk
             cache = IceCache(IceCacheConfig(budget=args.budget, prefill_chunk=chunk), model)
             model.generation_config.prefill_chunk_size = None  # the loop below chunks
+            kept[:] = [(cache, chunk)]
             return cache, chunk
         raise SystemExit(f"unknown variant {variant!r}")
+
+    def peak_gib():
+        return (torch.cuda.max_memory_allocated() - weights) / gib if cuda else 0.0
 
     def run(variant, ids, steps):
         cache, chunk = make(variant)
@@ -96,6 +121,13 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         sync()
+        profiler = None
+        if args.profile and T > warm.shape[1]:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            profiler = profile(activities=activities)
+            profiler.__enter__()
         t0 = time.perf_counter()
         with torch.inference_mode():
             for at in range(0, T, chunk):
@@ -103,14 +135,28 @@ def main(argv=None) -> int:
             tok = out.logits[:, -1:].argmax(-1)
             sync()
             prefill = time.perf_counter() - t0
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+                averages = profiler.key_averages()
+                log(f"{variant} {T}: prefill profile, by host time:")
+                log(averages.table(sort_by="self_cpu_time_total", row_limit=25))
+                if cuda:
+                    log(averages.table(sort_by="self_device_time_total", row_limit=15))
             out = model(tok, logits_to_keep=1, **{kw: cache})
             tok = out.logits[:, -1:].argmax(-1)
             sync()
             ttst = time.perf_counter() - t0
+            log(f"{variant} {T}: prefill {prefill:.2f} s, TTST {ttst:.2f} s, peak so far {peak_gib():.2f} GiB")
             # IceCache: the steps that attend the whole cache until the indexes are ready
-            # (streamed from the host after a chunked prefill), then retrieval.
-            bridged = []
-            while isinstance(cache, IceCache) and cache.runtime.bridges.active and len(bridged) < args.max_bridged:
+            # (streamed from the host after a chunked prefill), then retrieval. After
+            # --max-bridged such steps the run waits for the indexes instead of decoding on.
+            bridged, waited = [], 0.0
+            while isinstance(cache, IceCache) and cache.runtime.bridges.active:
+                if len(bridged) == args.max_bridged:
+                    t = time.perf_counter()
+                    cache.wait_indexed()
+                    waited = time.perf_counter() - t
+                    log(f"{variant} {T}: waited {waited:.1f} s for the indexes after {len(bridged)} bridged steps")
                 t = time.perf_counter()
                 out = model(tok, logits_to_keep=1, **{kw: cache})
                 tok = out.logits[:, -1:].argmax(-1)
@@ -124,7 +170,7 @@ def main(argv=None) -> int:
                 tok = out.logits[:, -1:].argmax(-1)
                 sync()
                 times.append(time.perf_counter() - t)
-        peak = (torch.cuda.max_memory_allocated() - weights) / gib if cuda else 0.0
+        peak = peak_gib()
         held = (torch.cuda.memory_allocated() - weights) / gib if cuda else 0.0
         row = dict(
             variant=variant, context=T, chunk=chunk, prefill_s=prefill, ttst_s=ttst, peak_gib=peak, held_gib=held
@@ -134,6 +180,7 @@ def main(argv=None) -> int:
             row["bridged_steps"] = len(bridged)
             row["bridged_ms"] = 1e3 * statistics.median(bridged) if bridged else None
             row["retrieval_from_s"] = ready  # the indexes ready: the first step that retrieves
+            row["waited_after_bridged_s"] = waited
             row["index_wait_s"] = cache.stats.index_wait_s
             row["host_gib"] = cache.nbytes()["host"] / gib
         del cache, out
