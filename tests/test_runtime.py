@@ -1201,6 +1201,26 @@ def test_pinned_blocks_are_reused_by_size_class_and_trimmed():
     assert pinned.nbytes() == 0
 
 
+def test_host_prefix_gathers_into_a_buffer_as_into_new_tensors():
+    """HostPrefix.gather into a reused buffer equals a fresh gather, for a run of positions across
+    blocks (slices) and for positions with holes (left padding: an index), and refuses a buffer of
+    another length."""
+    from icecache.runtime.prefix import HostPrefix
+
+    g = torch.Generator().manual_seed(0)
+    prefix = HostPrefix(torch.device("cpu"))
+    for n in (5, 7, 3):  # blocks [B=2, H=2, n, D=4]
+        prefix.offload(torch.randn(2, 2, n, 4, generator=g), torch.randn(2, 2, n, 4, generator=g), None)
+    for positions in (torch.arange(2, 13), torch.tensor([0, 3, 4, 6, 11, 14])):
+        want = prefix.gather(1, positions)
+        buf = (torch.full((2, positions.numel(), 4), float("nan")), torch.full((2, positions.numel(), 4), float("nan")))
+        got = prefix.gather(1, positions, out=buf)
+        assert got[0].data_ptr() == buf[0].data_ptr()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="positions into a buffer"):
+        prefix.gather(0, torch.arange(4), out=(torch.empty(2, 3, 4), torch.empty(2, 3, 4)))
+
+
 def test_demo_chunked_prefill_matches_one_forward():
     """The demo prefills Gemma 3 in chunks into a DynamicCache with sliding-window layers;
     decoding on from it (full cache or IceCache) matches a one-forward prefill."""

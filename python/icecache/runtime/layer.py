@@ -327,8 +327,11 @@ class IceLayer(CacheLayerMixin):
         prefix.wait_copied()
         for b, lo, hi in parts:
             self.jobs.restart(b)
-            k, v = prefix.gather(b, valid[b].nonzero()[lo:hi, 0])
-            self.jobs.catch_up(b, k, v)
+            positions = valid[b].nonzero()[lo:hi, 0]
+            shape = (self.heads, positions.numel(), self.dim)
+            k_buf, v_buf = self.runtime.transit.views(self.dtype, shape, shape)
+            k, v = prefix.gather(b, positions, out=(k_buf, v_buf))
+            self.jobs.catch_up(b, k, v)  # copies them: the buffer serves the next layer
         for b, q in enumerate(q_last):
             if q is not None:
                 self.jobs.calibrate(b, q)

@@ -192,10 +192,15 @@ class HostPrefix:
             at += n
         return torch.cat(ks, 2), torch.cat(vs, 2)
 
-    def gather(self, b: int, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, b: int, positions: torch.Tensor, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``b``'s keys and values at ``positions`` (sorted, CPU int64) as contiguous
-        host tensors ``[H_kv, n, D]``; the blocks must have reached the host
+        host tensors ``[H_kv, n, D]``, written into ``out`` if given (a reused buffer: fresh
+        host memory is slow to fill); the blocks must have reached the host
         (:meth:`wait_copied`)."""
+        if out is not None:
+            return self._gather_into(b, positions, out)
         ks, vs, at = [], [], 0
         for k, v in list(self._blocks):  # the main thread may append meanwhile
             n = k.shape[2]
@@ -210,3 +215,26 @@ class HostPrefix:
             empty = self._blocks[0][0].new_empty(H, 0, D)
             return empty, empty.clone()
         return torch.cat(ks, 1), torch.cat(vs, 1)
+
+    def _gather_into(
+        self, b: int, positions: torch.Tensor, out: Tuple[torch.Tensor, torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        k_out, v_out = out
+        if k_out.shape[1] != positions.numel():
+            raise ValueError(f"gather: {positions.numel()} positions into a buffer of {k_out.shape[1]}")
+        at, done = 0, 0
+        for k, v in list(self._blocks):
+            n = k.shape[2]
+            lo, hi = torch.searchsorted(positions, torch.tensor([at, at + n])).tolist()
+            if hi > lo:
+                first, last = int(positions[lo]) - at, int(positions[hi - 1]) - at
+                if last - first + 1 == hi - lo:  # a run of positions: slices, no index tensor
+                    k_out[:, done : done + hi - lo].copy_(k[b, :, first : last + 1])
+                    v_out[:, done : done + hi - lo].copy_(v[b, :, first : last + 1])
+                else:
+                    idx = positions[lo:hi] - at
+                    k_out[:, done : done + hi - lo].copy_(k[b].index_select(1, idx))
+                    v_out[:, done : done + hi - lo].copy_(v[b].index_select(1, idx))
+                done += hi - lo
+            at += n
+        return k_out, v_out

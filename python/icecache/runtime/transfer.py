@@ -13,6 +13,7 @@ synchronous selection", under "What moved the figures").
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -109,7 +110,8 @@ class Transit:
 
     Used by the index worker only (one thread): a device-to-host copy into fresh host memory is
     far slower than into a reused buffer (benches/RESULTS.md, "GPU decode on the H200,
-    synchronous selection", under "What moved the figures"), so one buffer serves every layer.
+    synchronous selection", under "What moved the figures"), so one buffer serves every layer;
+    so does a chunked prompt's middle, gathered from the host prompt for its build.
 
     Args:
         device: the device the tensors come from.
@@ -120,18 +122,23 @@ class Transit:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._buffer: Optional[torch.Tensor] = None
 
+    def views(self, dtype: torch.dtype, *shapes: Tuple[int, ...]) -> Tuple[torch.Tensor, ...]:
+        """Contiguous host tensors of ``shapes`` in the buffer, valid until the next call (of
+        this or :meth:`to_host`)."""
+        sizes = [math.prod(shape) for shape in shapes]
+        buf = self._buffer
+        if buf is None or buf.numel() < sum(sizes) or buf.dtype != dtype:
+            buf = self._buffer = torch.empty(sum(sizes), dtype=dtype)
+        out, start = [], 0
+        for shape, size in zip(shapes, sizes):
+            out.append(buf[start : start + size].view(shape))
+            start += size
+        return tuple(out)
+
     def to_host(self, ready: Optional["torch.cuda.Event"], *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Contiguous host copies of ``tensors`` (same dtype), valid until the next call.
         ``ready``: the event behind the work that produced them (``None`` on the CPU)."""
-        dtype = tensors[0].dtype
-        need = sum(t.numel() for t in tensors)
-        buf = self._buffer
-        if buf is None or buf.numel() < need or buf.dtype != dtype:
-            buf = self._buffer = torch.empty(need, dtype=dtype)
-        out, start = [], 0
-        for t in tensors:
-            out.append(buf[start : start + t.numel()].view(t.shape))
-            start += t.numel()
+        out = self.views(tensors[0].dtype, *(tuple(t.shape) for t in tensors))
         if self.stream is None:
             for o, t in zip(out, tensors):
                 o.copy_(t)
