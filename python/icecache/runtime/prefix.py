@@ -19,6 +19,7 @@ much host memory anyway.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -42,9 +43,7 @@ class PinnedBlocks:
 
     def take(self, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A pinned tensor of ``shape``: a view of a free block, or of a new one."""
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         size = 1 << max(0, numel - 1).bit_length()
         with self._lock:
             free = self._free.get((size, dtype))
