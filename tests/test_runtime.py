@@ -1099,6 +1099,15 @@ def test_prompt_beyond_host_memory_raises_memory_error_first(monkeypatch):
         run_steps(model, ids, cache, 8, chunk=64)  # the first three chunks fit
     assert all(layer.prefix.length == 192 for layer in ice_layers(cache))  # the fourth was not taken
     cache.reset()
+    # Blocks the process kept from an earlier chunked prompt serve this one's host copy: they
+    # count as available, so the same prompt fits; its first decode step releases those it did
+    # not take (on the CPU a host prompt takes none).
+    from icecache.runtime.prefix import PINNED
+
+    PINNED.give_back([torch.empty(100 * per_token * layers, dtype=torch.uint8)])
+    torch.testing.assert_close(run_steps(model, ids, cache, 8, chunk=64), full, rtol=1e-4, atol=1e-4)
+    assert PINNED.nbytes() == 0
+    cache.reset()
     monkeypatch.undo()
     _chunked_reuse_after(model, cache, ids, full)
 
