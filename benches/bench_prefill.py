@@ -29,6 +29,7 @@ Usage (the lent H200; Llama-3.1-8B shape, random bf16 weights)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import statistics
@@ -64,6 +65,7 @@ def main(argv=None) -> int:
     import icecache
     import torch
     from icecache import IceCache, IceCacheConfig
+    from torch.profiler import ProfilerActivity, profile
     from transformers import DynamicCache
 
     cuda = torch.cuda.is_available()
@@ -121,22 +123,17 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         sync()
-        profiler = None
-        if args.profile and T > warm.shape[1]:
-            from torch.profiler import ProfilerActivity, profile
-
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            profiler = profile(activities=activities)
-            profiler.__enter__()
+        profiled = args.profile and T > warm.shape[1]
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for at in range(0, T, chunk):
-                out = model(ids[:, at : at + chunk], logits_to_keep=1, **{kw: cache})
-            tok = out.logits[:, -1:].argmax(-1)
-            sync()
-            prefill = time.perf_counter() - t0
-            if profiler is not None:
-                profiler.__exit__(None, None, None)
+            with profile(activities=activities) if profiled else contextlib.nullcontext() as profiler:
+                for at in range(0, T, chunk):
+                    out = model(ids[:, at : at + chunk], logits_to_keep=1, **{kw: cache})
+                tok = out.logits[:, -1:].argmax(-1)
+                sync()
+                prefill = time.perf_counter() - t0
+            if profiled:
                 averages = profiler.key_averages()
                 log(f"{variant} {T}: prefill profile, by host time:")
                 log(averages.table(sort_by="self_cpu_time_total", row_limit=25))

@@ -81,11 +81,10 @@ class HostPrefix:
 
     Args:
         device: the layer's device.
-        pinned: where its pinned blocks come from and go back to when it is dropped (``None``:
-            new blocks each time).
+        pinned: where its pinned blocks come from and go back to when it is dropped.
     """
 
-    def __init__(self, device: torch.device, pinned: Optional[PinnedBlocks] = None):
+    def __init__(self, device: torch.device, pinned: PinnedBlocks = PINNED):
         self.device = device
         self._blocks: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._pinned = pinned
@@ -94,8 +93,7 @@ class HostPrefix:
         # then is ordered before the next prompt's copy into it, which runs on the same copy
         # stream behind the current stream's work.
         self._taken: List[torch.Tensor] = []
-        if pinned is not None:
-            weakref.finalize(self, pinned.give_back, self._taken)
+        weakref.finalize(self, pinned.give_back, self._taken)
         #: The event behind the last block's copy (``None`` on the CPU).
         self._copied: Optional[torch.cuda.Event] = None
         # A prefetched device buffer [2, B, H_kv, T + chunk, D] (tokens [0, T) being filled) and
@@ -119,11 +117,8 @@ class HostPrefix:
             return
         # Pinning made ahead on a thread of its own slowed the prefill further (benches/RESULTS.md,
         # "Chunked prefill in bounded GPU memory"): blocks are pinned here, or reused.
-        if self._pinned is None:
-            pin = torch.empty((2, *k.shape), dtype=k.dtype, pin_memory=True)
-        else:
-            pin = self._pinned.take((2, *k.shape), k.dtype)
-            self._taken.append(pin)
+        pin = self._pinned.take((2, *k.shape), k.dtype)
+        self._taken.append(pin)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             pin[0].copy_(k, non_blocking=True)
@@ -196,33 +191,19 @@ class HostPrefix:
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``b``'s keys and values at ``positions`` (sorted, CPU int64) as contiguous
         host tensors ``[H_kv, n, D]``, written into ``out`` if given (a reused buffer: fresh
-        host memory is slow to fill); the blocks must have reached the host
+        host memory is slow to fill), else into new ones; runs of positions are copied as
+        slices; the blocks must have reached the host
         (:meth:`wait_copied`)."""
-        if out is not None:
-            return self._gather_into(b, positions, out)
-        ks, vs, at = [], [], 0
-        for k, v in list(self._blocks):  # the main thread may append meanwhile
-            n = k.shape[2]
-            lo, hi = torch.searchsorted(positions, torch.tensor([at, at + n])).tolist()
-            if hi > lo:
-                idx = positions[lo:hi] - at
-                ks.append(k[b].index_select(1, idx))
-                vs.append(v[b].index_select(1, idx))
-            at += n
-        if not ks:
-            H, D = self._blocks[0][0].shape[1], self._blocks[0][0].shape[3]
-            empty = self._blocks[0][0].new_empty(H, 0, D)
-            return empty, empty.clone()
-        return torch.cat(ks, 1), torch.cat(vs, 1)
-
-    def _gather_into(
-        self, b: int, positions: torch.Tensor, out: Tuple[torch.Tensor, torch.Tensor]
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        blocks = list(self._blocks)  # the main thread may append meanwhile
+        if out is None:
+            k0 = blocks[0][0]
+            k_out = k0.new_empty(k0.shape[1], positions.numel(), k0.shape[3])
+            out = (k_out, torch.empty_like(k_out))
         k_out, v_out = out
         if k_out.shape[1] != positions.numel():
             raise ValueError(f"gather: {positions.numel()} positions into a buffer of {k_out.shape[1]}")
         at, done = 0, 0
-        for k, v in list(self._blocks):
+        for k, v in blocks:
             n = k.shape[2]
             lo, hi = torch.searchsorted(positions, torch.tensor([at, at + n])).tolist()
             if hi > lo:
@@ -236,4 +217,6 @@ class HostPrefix:
                     v_out[:, done : done + hi - lo].copy_(v[b].index_select(1, idx))
                 done += hi - lo
             at += n
+        if done != positions.numel():
+            raise ValueError(f"gather: positions beyond the {at} held")
         return k_out, v_out
