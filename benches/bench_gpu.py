@@ -674,6 +674,8 @@ def main(argv=None) -> int:
                 # Layer steps whose staging copy ran early on the copy stream (in the TPOT rounds).
                 v["copied_ahead"] = s.copies_ahead / s.layer_steps
                 log(f"{n}: {name}: staging copied ahead in {v['copied_ahead']:.1%} of layer steps")
+                if args.profile_steps < 1:
+                    continue
                 cache.runtime.stats = RuntimeStats()
                 cache.runtime.sync_timing = True
                 t = time.perf_counter()

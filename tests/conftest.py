@@ -34,3 +34,40 @@ def tiny_llama(**changes):
 
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(tiny_llama_config(**changes)).eval()
+
+
+def tiny_bpe_tokenizer():
+    """A byte-level BPE of 400 tokens trained here (deterministic, no download), with a chat
+    template: RULER's generators tokenize with it."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    tok = Tokenizer(BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."] * 20
+    corpus += ["One of the special magic numbers for the key is: 1234567. What is the special magic number?"] * 5
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "<s>{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    return fast
+
+
+def tiny_ruler_model(name, device, dtype):
+    """``(model, tokenizer)`` for the RULER tests: a 4-layer tiny Llama over
+    :func:`tiny_bpe_tokenizer`; a loader with the signature that RULER's worker processes call
+    (``name`` is ignored)."""
+    import torch
+
+    tokenizer = tiny_bpe_tokenizer()
+    model = tiny_llama(
+        vocab_size=len(tokenizer), num_hidden_layers=4, max_position_embeddings=1024, attn_implementation="sdpa"
+    )
+    return model.to(device, getattr(torch, dtype)), tokenizer

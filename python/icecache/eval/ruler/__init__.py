@@ -29,6 +29,7 @@ from icecache.eval.ruler.evaluate import (
     context_length,
     evaluate_ruler,
     evaluate_samples,
+    resolve_device,
 )
 from icecache.eval.ruler.report import METHOD_LABELS, Prediction, RulerResult, TaskScore
 
@@ -49,6 +50,7 @@ __all__ = [
     "evaluate_ruler",
     "evaluate_samples",
     "generate_samples",
+    "resolve_device",
     "ruler_missing",
     "score_task",
     "task_spec",

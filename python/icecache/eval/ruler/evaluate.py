@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from icecache._util import progress_bar
+from icecache._util import cache_keyword, progress_bar
 from icecache.eval.recall.report import plotting_missing
 from icecache.eval.ruler.data import TASKS, Sample, generate_samples, ruler_missing, score_task, task_spec
 from icecache.eval.ruler.report import Prediction, RulerResult
@@ -25,6 +25,7 @@ __all__ = [
     "context_length",
     "evaluate_ruler",
     "evaluate_samples",
+    "resolve_device",
 ]
 
 #: Methods evaluated by default: the full cache, IceCache, the baselines
@@ -147,10 +148,11 @@ def _greedy(model: Any, cache: Any, first: int, max_tokens: int, eos: Sequence[i
     the answer's first token): one-token steps until an end token or ``max_tokens`` in all."""
     import torch
 
-    out = [first]
+    out, kw = [first], cache_keyword(model)
     with torch.inference_mode():
         while len(out) < max_tokens and out[-1] not in eos:
-            logits = model(torch.tensor([[out[-1]]], device=model.device), cache=cache, logits_to_keep=1).logits
+            token = torch.tensor([[out[-1]]], device=model.device)
+            logits = model(token, logits_to_keep=1, **{kw: cache}).logits
             out.append(int(logits[0, -1].argmax()))
     return out
 
@@ -172,12 +174,40 @@ def _method_cache(method: str, budget: Optional[int], model: Any, prefix: Any, i
             return IceCache.from_prefilled(config, model, prefix)
         cache = IceCache(config, model)
         with torch.inference_mode():
-            model(ids, cache=cache, logits_to_keep=1)
+            model(ids, logits_to_keep=1, **{cache_keyword(model): cache})
         return cache
     from icecache.eval.ruler.methods import BaselineConfig, BudgetCache
 
     config = BaselineConfig(method, budget, settings.sink, settings.window, settings.page_size, settings.full_layers)
     return BudgetCache.from_prefilled(config, model, prefix)
+
+
+def _empty_result(
+    samples: Mapping[Tuple[str, int], Sequence[Sample]],
+    methods: Sequence[str],
+    budgets: Sequence[int],
+    settings: RulerSettings,
+    model_name: str,
+    context: Optional[int],
+) -> RulerResult:
+    """The result that the predictions for ``samples`` go into, the arguments checked first."""
+    budgets = sorted({int(b) for b in budgets})
+    tasks = list(dict.fromkeys(t for t, _ in samples))
+    lengths = sorted({n for _, n in samples})
+    check_arguments(tasks, lengths, methods, budgets, settings, context=context)
+    result = RulerResult(
+        model=model_name,
+        tasks=tasks,
+        lengths=lengths,
+        methods=list(methods),
+        budgets=budgets,
+        sink=settings.sink,
+        window=settings.window,
+        page_size=settings.page_size,
+        full_layers=settings.full_layers,
+    )
+    result.info["icecache_options"] = dict(exact_until_indexed=False, **settings.icecache)
+    return result
 
 
 def evaluate_samples(
@@ -210,23 +240,8 @@ def evaluate_samples(
     import torch
 
     settings = settings or RulerSettings()
-    budgets = sorted({int(b) for b in budgets})
-    tasks = list(dict.fromkeys(t for t, _ in samples))
-    lengths = sorted({n for _, n in samples})
-    check_arguments(tasks, lengths, methods, budgets, settings, context=context_length(model))
-    result = RulerResult(
-        model=model_name,
-        tasks=tasks,
-        lengths=lengths,
-        methods=list(methods),
-        budgets=budgets,
-        sink=settings.sink,
-        window=settings.window,
-        page_size=settings.page_size,
-        full_layers=settings.full_layers,
-    )
+    result = _empty_result(samples, methods, budgets, settings, model_name, context_length(model))
     runs = result.runs()
-    result.info["icecache_options"] = dict(exact_until_indexed=False, **settings.icecache)
     from transformers import DynamicCache
 
     from icecache.runtime import enable
@@ -246,7 +261,8 @@ def evaluate_samples(
                 t0 = time.perf_counter()
                 prefix = DynamicCache(config=model.config)
                 with torch.inference_mode():
-                    first = int(model(ids, cache=prefix, logits_to_keep=1).logits[0, -1].argmax())
+                    out = model(ids, logits_to_keep=1, **{cache_keyword(model): prefix})
+                    first = int(out.logits[0, -1].argmax())
                 t_prefill += time.perf_counter() - t0
                 for method, budget in runs:
                     t1 = time.perf_counter()
@@ -272,6 +288,118 @@ def evaluate_samples(
     return result
 
 
+def resolve_device(device: Optional[str] = None, dtype: Optional[str] = None) -> Tuple[str, str]:
+    """The device and weight dtype an evaluation runs in: by default CUDA with bfloat16 where
+    torch sees a GPU, else the CPU with float32.
+
+    Raises:
+        ValueError: an unknown dtype, or a device torch cannot use.
+    """
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}: {exc}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA GPU")
+    if dtype is None:
+        dtype = "bfloat16" if kind == "cuda" else "float32"
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"unknown dtype {dtype!r} for weights; e.g. float32, bfloat16, float16")
+    return device, dtype
+
+
+def _load(name: str, device: str, dtype: str) -> Tuple[Any, Any]:
+    import torch
+
+    from icecache import models
+
+    lm, tokenizer = models.load_model(name, dtype=getattr(torch, dtype))
+    return lm.to(device), tokenizer
+
+
+#: A worker process's model and what it evaluates (:func:`_worker_start`).
+_WORKER: Dict[str, Any] = {}
+
+
+def _worker_start(
+    loader: Callable[[str, str, str], Tuple[Any, Any]],
+    name: str,
+    device: str,
+    dtype: str,
+    threads: Optional[int],
+    job: Dict[str, Any],
+) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    _WORKER["model"], _WORKER["tokenizer"] = loader(name, device, dtype)
+    _WORKER.update(job, model_name=name)
+
+
+def _worker_sample(key: Tuple[str, int], sample: Sample) -> RulerResult:
+    w = _WORKER
+    return evaluate_samples(
+        w["model"], w["tokenizer"], {key: [sample]}, w["methods"], w["budgets"], w["settings"],
+        model_name=w["model_name"], progress=False,
+    )  # fmt: skip
+
+
+def _evaluate_in_workers(
+    samples: Mapping[Tuple[str, int], Sequence[Sample]],
+    result: RulerResult,
+    settings: RulerSettings,
+    *,
+    name: str,
+    device: str,
+    dtype: str,
+    workers: int,
+    threads: Optional[int],
+    progress: bool,
+    on_prediction: Optional[Callable[[RulerResult, Prediction], None]] = None,
+    loader: Callable[[str, str, str], Tuple[Any, Any]] = _load,
+) -> None:
+    """:func:`evaluate_samples` of ``samples`` spread over ``workers`` processes, each with its
+    own copy of the model (``loader(name, device, dtype)``: a picklable function returning the
+    model and tokenizer), one sample at a time; the predictions go into ``result`` (in the
+    order of a run in one process) and to ``on_prediction`` as they come."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    job = dict(methods=result.methods, budgets=result.budgets, settings=settings)
+    bar = progress_bar(total=sum(len(g) for g in samples.values()) * len(result.runs()), desc="ruler", enable=progress)
+    try:
+        with ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),  # CUDA cannot be used in a forked child
+            initializer=_worker_start,
+            initargs=(loader, name, device, dtype, threads, job),
+        ) as pool:
+            futures = [pool.submit(_worker_sample, key, s) for key, group in samples.items() for s in group]
+            for fut in as_completed(futures):
+                if fut.exception() is not None:  # stop at the first error: the rest would fail alike
+                    for other in futures:
+                        other.cancel()
+                part = fut.result()
+                for pred in part.predictions:
+                    result.predictions.append(pred)
+                    if on_prediction is not None:
+                        on_prediction(result, pred)
+                for k, v in part.timings.items():
+                    result.timings[k] = result.timings.get(k, 0.0) + v
+                bar.update(len(part.predictions))
+    finally:
+        bar.close()
+    tasks = {t: i for i, t in enumerate(result.tasks)}
+    runs = {r: i for i, r in enumerate(result.runs())}
+    result.predictions.sort(key=lambda p: (tasks[p.task], p.length, p.index, runs[(p.method, p.budget)]))
+
+
 def evaluate_ruler(
     tasks: Sequence[str] = TASKS,
     lengths: Sequence[int] = DEFAULT_LENGTHS,
@@ -286,6 +414,10 @@ def evaluate_ruler(
     out_dir: Union[str, os.PathLike, None] = None,
     plot: bool = True,
     progress: bool = True,
+    device: Optional[str] = None,
+    dtype: Optional[str] = None,
+    workers: int = 1,
+    threads: Optional[int] = None,
 ) -> RulerResult:
     """RULER on a model :func:`icecache.models.load_model` loads: ``n_samples`` samples per task
     and length (:func:`~icecache.eval.ruler.data.generate_samples`, cached), then
@@ -295,36 +427,55 @@ def evaluate_ruler(
     and ``ruler_table.md`` and ``ruler.json`` are rewritten after each sample; at the end (with
     ``plot``) ``ruler_vs_length.png``.
 
+    Args:
+        device, dtype: where the model runs and its weights' dtype (:func:`resolve_device`:
+            by default CUDA in bfloat16 where there is a GPU, else the CPU in float32).
+        workers: processes that answer samples in parallel, each with its own copy of the model
+            (1: this process). Decoding a small model is bound by the host's per-step work, so
+            on a GPU several workers share it well; the samples are generated in parallel too.
+        threads: torch threads of each worker (default: torch's).
+
     Raises:
         ValueError: bad arguments (:func:`check_arguments`; the length against the model's
-            context once it is loaded), before the slow work.
+            context once it is loaded; the device, dtype or ``workers``), before the slow work.
         ImportError: the ``ruler`` extra is missing, or the plot's matplotlib is.
     """
-    from icecache import models
-
     settings = settings or RulerSettings()
     check_arguments(list(tasks), list(lengths), list(methods), list(budgets), settings, n_samples=n_samples)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    device, dtype = resolve_device(device, dtype)
     missing = ruler_missing()
     if missing is not None:
         raise ImportError(missing)
     if out_dir is not None and plot and plotting_missing() is not None:
         raise ImportError(f"the RULER plot needs what is missing: {plotting_missing()}; or pass plot=False")
     t0 = time.perf_counter()
-    lm, tokenizer = models.load_model(model)
-    check_arguments(list(tasks), list(lengths), list(methods), list(budgets), settings, context=context_length(lm))
+    # With workers, this process needs only the tokenizer and the model's context.
+    lm, tokenizer = _load(model, device if workers == 1 else "cpu", dtype)
+    context = context_length(lm)
+    check_arguments(list(tasks), list(lengths), list(methods), list(budgets), settings, context=context)
     t_load = time.perf_counter() - t0
 
     def note(text: str) -> None:
         if progress:
             print(text, file=sys.stderr, flush=True)
 
-    samples: Dict[Tuple[str, int], List[Sample]] = {}
+    keys = [(task, length) for task in tasks for length in lengths]
     t0 = time.perf_counter()
-    for task in tasks:
-        for length in lengths:
-            samples[(task, length)] = generate_samples(
-                task, length, tokenizer, n_samples, seed=seed, cache_dir=cache_dir, log=note
-            )
+
+    def generate(key: Tuple[str, int]) -> List[Sample]:
+        return generate_samples(key[0], key[1], tokenizer, n_samples, seed=seed, cache_dir=cache_dir, log=note)
+
+    # The first alone: it saves the tokenizer and the sentence data that the others share.
+    samples: Dict[Tuple[str, int], List[Sample]] = {keys[0]: generate(keys[0])}
+    if workers > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:  # each generator is a process of its own
+            samples.update(zip(keys[1:], pool.map(generate, keys[1:])))
+    else:
+        samples.update((key, generate(key)) for key in keys[1:])
     t_samples = time.perf_counter() - t0
 
     out = Path(out_dir) if out_dir is not None else None
@@ -341,11 +492,19 @@ def evaluate_ruler(
             res.save_table(out / "ruler_table.md")
             res.save_json(out / "ruler.json")
 
-    res = evaluate_samples(
-        lm, tokenizer, samples, methods, budgets, settings, model_name=model, progress=progress, on_prediction=save
-    )
+    if workers == 1:
+        res = evaluate_samples(
+            lm, tokenizer, samples, methods, budgets, settings, model_name=model, progress=progress, on_prediction=save
+        )
+    else:
+        del lm
+        res = _empty_result(samples, methods, budgets, settings, model, context)
+        _evaluate_in_workers(
+            samples, res, settings, name=model, device=device, dtype=dtype, workers=workers, threads=threads,
+            progress=progress, on_prediction=save,
+        )  # fmt: skip
     res.timings.update(load_s=t_load, samples_s=t_samples)
-    res.info.update(seed=seed, samples_per_task=n_samples, context=context_length(lm))
+    res.info.update(seed=seed, samples_per_task=n_samples, context=context, device=device, dtype=dtype, workers=workers)
     if out is not None:
         res.save_table(out / "ruler_table.md")
         res.save_json(out / "ruler.json")
