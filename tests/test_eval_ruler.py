@@ -259,3 +259,46 @@ def test_command_runs_and_scores(tiny, tokenizer, niah, sample_dir, tmp_path, mo
     saved = json.loads((tmp_path / "ruler.json").read_text())
     assert len(saved["predictions"]) == 10 and saved["info"]["icecache_options"]["budget_mode"] == "fixed"
     assert (tmp_path / "ruler_table.md").read_text().startswith("### RULER")
+
+
+def test_a_stopped_run_resumes_where_it_stopped(tiny, tokenizer, niah, sample_dir, tmp_path, monkeypatch):
+    """--resume keeps the samples whose every run was saved (a torn last line skipped), answers
+    the rest, gives the table of an uninterrupted run, and refuses a run with other settings."""
+    from icecache.eval.ruler import evaluate
+
+    monkeypatch.setattr(models, "load_model", lambda name, **kw: (tiny, tokenizer))
+    settings = ruler.RulerSettings(sink=4, window=8, page_size=8, full_layers=1, icecache={"page_format": "native"})
+    kw = dict(methods=["full", "icecache"], budgets=[64], settings=settings, cache_dir=sample_dir, plot=False)
+    kw.update(progress=False, device="cpu")
+    whole = ruler.evaluate_ruler(["niah_single_1", "fwe"], [LENGTH], 2, out_dir=tmp_path / "a", **kw)
+    assert len(whole.predictions) == 2 * 2 * 2
+    # A run stopped after the first sample and a half: its first sample's two runs, then one run
+    # of the second sample and a line cut short.
+    lines = (tmp_path / "a" / "ruler_predictions.jsonl").read_text().splitlines()
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "ruler.json").write_text((tmp_path / "a" / "ruler.json").read_text())
+    (out / "ruler_predictions.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])
+    asked = []
+    real = evaluate.evaluate_samples
+
+    def spy(model, tok, samples, *a, **k):
+        asked.extend((t, s.index) for (t, _), group in samples.items() for s in group)
+        return real(model, tok, samples, *a, **k)
+
+    monkeypatch.setattr(evaluate, "evaluate_samples", spy)
+    again = ruler.evaluate_ruler(["niah_single_1", "fwe"], [LENGTH], 2, out_dir=out, resume=True, **kw)
+    assert asked == [("niah_single_1", 1), ("fwe", 0), ("fwe", 1)]
+
+    def answers(res):
+        return [(p.task, p.index, p.method, p.budget, p.prediction, p.score) for p in res.predictions]
+
+    assert answers(again) == answers(whole)
+    saved = [json.loads(line) for line in (out / "ruler_predictions.jsonl").read_text().splitlines()]
+    assert len(saved) == len(whole.predictions)
+    assert (out / "ruler_table.md").read_text() == (tmp_path / "a" / "ruler_table.md").read_text()
+    other = ruler.RulerSettings(sink=8, window=8, page_size=8, full_layers=1, icecache={"page_format": "native"})
+    with pytest.raises(ValueError, match="cannot resume the run in .* sink 4 \\(now 8\\)"):
+        ruler.evaluate_ruler(["fwe"], [LENGTH], 2, out_dir=out, resume=True, **{**kw, "settings": other})
+    with pytest.raises(ValueError, match="resume needs out_dir"):
+        ruler.evaluate_ruler(["fwe"], [LENGTH], 2, resume=True, **kw)

@@ -268,6 +268,7 @@ def _cmd_eval_ruler(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             workers=args.workers,
             threads=args.threads,
+            resume=args.resume,
         )
     except ValueError as exc:  # the length against the model's context, known once it is loaded
         print(f"icecache eval ruler: error: {exc}", file=sys.stderr)
@@ -351,6 +352,12 @@ def _add_ruler_parser(evals: Any) -> None:
     )
     ru.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     ru.add_argument("--quiet", action="store_true", help="no progress bar")
+    ru.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the predictions that a run with the same settings saved in --out (one that stopped, or asked for "
+        "fewer tasks, lengths or samples) and answer only the samples it did not finish",
+    )
     ru.set_defaults(func=_cmd_eval_ruler)
 
 

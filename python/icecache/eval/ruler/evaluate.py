@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from icecache._util import cache_keyword, progress_bar
+from icecache._util import atomic_file, cache_keyword, progress_bar
 from icecache.eval.recall.report import plotting_missing
 from icecache.eval.ruler.data import TASKS, Sample, generate_samples, ruler_missing, score_task, task_spec
 from icecache.eval.ruler.report import Prediction, RulerResult
@@ -395,9 +395,49 @@ def _evaluate_in_workers(
                 bar.update(len(part.predictions))
     finally:
         bar.close()
+    _sort_predictions(result)
+
+
+def _sort_predictions(result: RulerResult) -> None:
+    """Put ``result``'s predictions in the order of a run in one process."""
     tasks = {t: i for i, t in enumerate(result.tasks)}
     runs = {r: i for i, r in enumerate(result.runs())}
     result.predictions.sort(key=lambda p: (tasks[p.task], p.length, p.index, runs[(p.method, p.budget)]))
+
+
+def _resumable(out: Path, run: Dict[str, Any]) -> List[Prediction]:
+    """The predictions that an earlier run saved in ``out`` (none if it holds none), after
+    checking that it ran with the settings ``run``; a line cut short by a killed run is skipped.
+
+    Raises:
+        ValueError: the earlier run's settings differ.
+    """
+    saved, lines = out / "ruler.json", out / "ruler_predictions.jsonl"
+    if not saved.is_file() or not lines.is_file():
+        return []
+    data = json.loads(saved.read_text())
+    info = data.get("info", {})
+    then = dict(
+        model=data.get("model"),
+        sink=data.get("sink"),
+        window=data.get("window"),
+        page_size=data.get("page_size"),
+        full_layers=data.get("full_layers"),
+        icecache_options=info.get("icecache_options"),
+        seed=info.get("seed"),
+        dtype=info.get("dtype"),
+        device_type=info.get("device_type"),
+    )
+    differ = [f"{k} {then[k]!r} (now {run[k]!r})" for k in run if then.get(k) != run[k]]
+    if differ:
+        raise ValueError(f"cannot resume the run in {out}: it ran with {', '.join(differ)}")
+    preds = []
+    for line in lines.read_text().splitlines():
+        try:
+            preds.append(Prediction(**json.loads(line)))
+        except (ValueError, TypeError):  # a line cut short, or not a prediction
+            continue
+    return preds
 
 
 def evaluate_ruler(
@@ -418,6 +458,7 @@ def evaluate_ruler(
     dtype: Optional[str] = None,
     workers: int = 1,
     threads: Optional[int] = None,
+    resume: bool = False,
 ) -> RulerResult:
     """RULER on a model :func:`icecache.models.load_model` loads: ``n_samples`` samples per task
     and length (:func:`~icecache.eval.ruler.data.generate_samples`, cached), then
@@ -434,17 +475,38 @@ def evaluate_ruler(
             (1: this process). Decoding a small model is bound by the host's per-step work, so
             on a GPU several workers share it well; the samples are generated in parallel too.
         threads: torch threads of each worker (default: torch's).
+        resume: keep the predictions already saved in ``out_dir`` by a run with the same
+            settings (one that stopped, or asked for fewer tasks, lengths or samples) and answer
+            only the samples that lack some of their runs.
 
     Raises:
         ValueError: bad arguments (:func:`check_arguments`; the length against the model's
-            context once it is loaded; the device, dtype or ``workers``), before the slow work.
+            context once it is loaded; the device, dtype or ``workers``; ``resume`` without
+            ``out_dir``, or over a run with other settings), before the slow work.
         ImportError: the ``ruler`` extra is missing, or the plot's matplotlib is.
     """
     settings = settings or RulerSettings()
     check_arguments(list(tasks), list(lengths), list(methods), list(budgets), settings, n_samples=n_samples)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if resume and out_dir is None:
+        raise ValueError("resume needs out_dir: the directory of the run to resume")
     device, dtype = resolve_device(device, dtype)
+    import torch
+
+    out = Path(out_dir) if out_dir is not None else None
+    run = dict(
+        model=model,
+        sink=settings.sink,
+        window=settings.window,
+        page_size=settings.page_size,
+        full_layers=settings.full_layers,
+        icecache_options=dict(exact_until_indexed=False, **settings.icecache),
+        seed=seed,
+        dtype=dtype,
+        device_type=torch.device(device).type,
+    )
+    earlier = _resumable(out, run) if resume and out is not None else []
     missing = ruler_missing()
     if missing is not None:
         raise ImportError(missing)
@@ -478,33 +540,61 @@ def evaluate_ruler(
         samples.update((key, generate(key)) for key in keys[1:])
     t_samples = time.perf_counter() - t0
 
-    out = Path(out_dir) if out_dir is not None else None
+    res = _empty_result(samples, methods, budgets, settings, model, context)
+    res.info.update(
+        seed=seed,
+        samples_per_task=n_samples,
+        context=context,
+        device=device,
+        device_type=run["device_type"],
+        dtype=dtype,
+        workers=workers,
+    )
+    # A sample is done when every run of it was saved; the others are answered (again).
+    runs = res.runs()
+    wanted = {(t, n, s.index) for (t, n), group in samples.items() for s in group}
+    have: Dict[Tuple[str, int, int], Dict[Tuple[str, Optional[int]], Prediction]] = {}
+    for pred in earlier:
+        if (pred.task, pred.length, pred.index) in wanted and (pred.method, pred.budget) in runs:
+            have.setdefault((pred.task, pred.length, pred.index), {})[(pred.method, pred.budget)] = pred
+    done = {key for key, got in have.items() if len(got) == len(runs)}
+    res.predictions.extend(p for key in done for p in have[key].values())
+    todo = {k: [s for s in g if (k[0], k[1], s.index) not in done] for k, g in samples.items()}
+    todo = {k: g for k, g in todo.items() if g}
+    if earlier:
+        note(f"resuming: {len(done)} of {len(wanted)} samples done, {sum(len(g) for g in todo.values())} to answer")
+
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "ruler_predictions.jsonl").write_text("")
+        with atomic_file(out / "ruler_predictions.jsonl") as path:
+            path.write_text("".join(json.dumps(asdict(p)) + "\n" for p in res.predictions))
 
-    def save(res: RulerResult, pred: Prediction) -> None:
+    def save(pred: Prediction) -> None:
         if out is None:
             return
         with open(out / "ruler_predictions.jsonl", "a") as f:
             f.write(json.dumps(asdict(pred)) + "\n")
-        if pred.method == res.runs()[-1][0] and pred.budget == res.runs()[-1][1]:  # a sample's last run
+        if (pred.method, pred.budget) == runs[-1]:  # a sample's last run
             res.save_table(out / "ruler_table.md")
             res.save_json(out / "ruler.json")
 
-    if workers == 1:
-        res = evaluate_samples(
-            lm, tokenizer, samples, methods, budgets, settings, model_name=model, progress=progress, on_prediction=save
+    def take(_: RulerResult, pred: Prediction) -> None:
+        res.predictions.append(pred)
+        save(pred)
+
+    if todo and workers == 1:
+        answered = evaluate_samples(
+            lm, tokenizer, todo, methods, budgets, settings, model_name=model, progress=progress, on_prediction=take
         )
-    else:
+        res.timings.update(answered.timings)
+    elif todo:
         del lm
-        res = _empty_result(samples, methods, budgets, settings, model, context)
         _evaluate_in_workers(
-            samples, res, settings, name=model, device=device, dtype=dtype, workers=workers, threads=threads,
-            progress=progress, on_prediction=save,
+            todo, res, settings, name=model, device=device, dtype=dtype, workers=workers, threads=threads,
+            progress=progress, on_prediction=lambda _, pred: save(pred),
         )  # fmt: skip
+    _sort_predictions(res)
     res.timings.update(load_s=t_load, samples_s=t_samples)
-    res.info.update(seed=seed, samples_per_task=n_samples, context=context, device=device, dtype=dtype, workers=workers)
     if out is not None:
         res.save_table(out / "ruler_table.md")
         res.save_json(out / "ruler.json")
