@@ -234,6 +234,34 @@ def test_gemma3_pin():
         models.GGUFModelSpec("x", "1", "x.gguf", "0" * 64, 5, parts=(spec.parts[0],))
 
 
+def test_a_tokenizer_that_splits_unlike_the_model_is_refused():
+    """transformers 5.17 makes a Gemma tokenizer from the GGUF that splits "grass" into pieces;
+    load_model refuses such a tokenizer instead of feeding the model garbled prompts."""
+    text, want = models.MODELS["gemma3"].probe
+
+    class Fixed:
+        def __init__(self, ids):
+            self.ids = ids
+
+        def __call__(self, s, add_special_tokens=True):
+            assert s == text and not add_special_tokens
+            return type("Encoding", (), {"input_ids": list(self.ids)})
+
+    models.check_tokenizer("gemma3", Fixed(want))
+    garbled = (818, 549, 601, 1075) + want[2:]  # "The grass" as 5.17 splits it: "The", "g", "r", "ass"
+    with pytest.raises(RuntimeError, match=r"splits text unlike the model's own .*: 18 tokens, not 16\).*5\.24"):
+        models.check_tokenizer("gemma3", Fixed(garbled))
+    models.check_tokenizer("smollm2", Fixed(()))  # no probe: nothing to check
+    path = models.cached_gguf("gemma3")
+    if path is not None and importlib.util.find_spec("transformers") is not None:
+        import transformers
+        from packaging.version import Version
+
+        if Version(transformers.__version__) >= Version("5.24"):
+            tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            models.check_tokenizer("gemma3", tok)
+
+
 def _split_spec(monkeypatch, pieces, total_sha=None):
     payload = b"".join(pieces)
     parts = tuple(

