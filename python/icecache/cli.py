@@ -355,8 +355,8 @@ def _add_ruler_parser(evals: Any) -> None:
     ru.add_argument(
         "--resume",
         action="store_true",
-        help="keep the predictions that a run with the same settings saved in --out (one that stopped, or asked for "
-        "fewer tasks, lengths or samples) and answer only the samples it did not finish",
+        help="keep the predictions that a run with the same settings and --samples saved in --out (one that stopped, "
+        "or asked for fewer tasks or lengths) and answer only the samples it did not finish",
     )
     ru.set_defaults(func=_cmd_eval_ruler)
 

@@ -425,6 +425,7 @@ def _resumable(out: Path, run: Dict[str, Any]) -> List[Prediction]:
         full_layers=data.get("full_layers"),
         icecache_options=info.get("icecache_options"),
         seed=info.get("seed"),
+        samples_per_task=info.get("samples_per_task"),
         dtype=info.get("dtype"),
         device_type=info.get("device_type"),
     )
@@ -476,8 +477,8 @@ def evaluate_ruler(
             on a GPU several workers share it well; the samples are generated in parallel too.
         threads: torch threads of each worker (default: torch's).
         resume: keep the predictions already saved in ``out_dir`` by a run with the same
-            settings (one that stopped, or asked for fewer tasks, lengths or samples) and answer
-            only the samples that lack some of their runs.
+            settings and samples per task (one that stopped, or asked for fewer tasks or
+            lengths) and answer only the samples that lack some of their runs.
 
     Raises:
         ValueError: bad arguments (:func:`check_arguments`; the length against the model's
@@ -503,6 +504,7 @@ def evaluate_ruler(
         full_layers=settings.full_layers,
         icecache_options=dict(exact_until_indexed=False, **settings.icecache),
         seed=seed,
+        samples_per_task=n_samples,  # a sample's index names another sample in another count
         dtype=dtype,
         device_type=torch.device(device).type,
     )
