@@ -252,6 +252,8 @@ def test_a_tokenizer_that_splits_unlike_the_model_is_refused():
     with pytest.raises(RuntimeError, match=r"splits text unlike the model's own .*: 18 tokens, not 16\).*5\.24"):
         models.check_tokenizer("gemma3", Fixed(garbled))
     models.check_tokenizer("smollm2", Fixed(()))  # no probe: nothing to check
+    with pytest.raises(ValueError, match="unknown model 'llama'"):
+        models.check_tokenizer("llama", Fixed(want))
     path = models.cached_gguf("gemma3")
     if path is not None and importlib.util.find_spec("transformers") is not None:
         import transformers

@@ -322,8 +322,11 @@ def fetch_gguf(name: str = "smollm2", cache_dir: Optional[Union[str, os.PathLike
 
 def check_tokenizer(name: str, tokenizer: Any) -> None:
     """Raise :class:`RuntimeError` if ``tokenizer`` does not split the probe text of model
-    ``name`` (:attr:`GGUFModelSpec.probe`) as the model's own tokenizer does."""
-    spec = MODELS[name]
+    ``name`` (:attr:`GGUFModelSpec.probe`) as the model's own tokenizer does; a
+    :class:`ValueError` for a name not in :data:`MODELS`."""
+    spec = MODELS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
     if spec.probe is None:
         return
     text, want = spec.probe
