@@ -70,10 +70,10 @@ def _decode(model: Any, cache: Any, first: int, steps: int, forced: Optional[Seq
     import torch
 
     out: List[int] = []
-    token = first
+    token, kw = first, cache_keyword(model)
     with torch.inference_mode():
         for i in range(steps):
-            logits = model(torch.tensor([[token]]), logits_to_keep=1, **{cache_keyword(model): cache}).logits
+            logits = model(torch.tensor([[token]]), logits_to_keep=1, **{kw: cache}).logits
             out.append(int(logits[0, -1].argmax()))
             token = forced[i] if forced is not None else out[-1]
     return out
