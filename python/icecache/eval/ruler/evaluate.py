@@ -373,27 +373,27 @@ def _evaluate_in_workers(
 
     job = dict(methods=result.methods, budgets=result.budgets, settings=settings)
     bar = progress_bar(total=sum(len(g) for g in samples.values()) * len(result.runs()), desc="ruler", enable=progress)
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),  # CUDA cannot be used in a forked child
+        initializer=_worker_start,
+        initargs=(loader, name, device, dtype, threads, job),
+    )
     try:
-        with ProcessPoolExecutor(
-            workers,
-            mp_context=multiprocessing.get_context("spawn"),  # CUDA cannot be used in a forked child
-            initializer=_worker_start,
-            initargs=(loader, name, device, dtype, threads, job),
-        ) as pool:
-            futures = [pool.submit(_worker_sample, key, s) for key, group in samples.items() for s in group]
-            for fut in as_completed(futures):
-                if fut.exception() is not None:  # stop at the first error: the rest would fail alike
-                    for other in futures:
-                        other.cancel()
-                part = fut.result()
-                for pred in part.predictions:
-                    result.predictions.append(pred)
-                    if on_prediction is not None:
-                        on_prediction(result, pred)
-                for k, v in part.timings.items():
-                    result.timings[k] = result.timings.get(k, 0.0) + v
-                bar.update(len(part.predictions))
+        futures = [pool.submit(_worker_sample, key, s) for key, group in samples.items() for s in group]
+        for fut in as_completed(futures):
+            part = fut.result()
+            for pred in part.predictions:
+                result.predictions.append(pred)
+                if on_prediction is not None:
+                    on_prediction(result, pred)
+            for k, v in part.timings.items():
+                result.timings[k] = result.timings.get(k, 0.0) + v
+            bar.update(len(part.predictions))
     finally:
+        # A failed sample (the rest would fail alike) or an interrupt (Ctrl-C, a time limit's
+        # SIGINT) drops the queued samples; only those already running are waited for.
+        pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     _sort_predictions(result)
 
