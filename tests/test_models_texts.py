@@ -217,6 +217,30 @@ def test_load_model_without_deps_says_what_to_install(monkeypatch):
         models.load_model()
 
 
+def test_load_model_asks_for_dense_weights(monkeypatch, tmp_path):
+    """Where transformers could keep GGUF weights packed (a matmul kernel for the device), the
+    model is still the dense one: load_model asks for every weight de-quantised."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GgufConfig"):
+        pytest.skip("this transformers always de-quantises GGUF weights")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(path, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(models, "fetch_gguf", lambda name, cache_dir=None: tmp_path / "m.gguf")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(models, "check_tokenizer", lambda name, tok: None)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    with pytest.raises(Stop):
+        models.load_model("smollm2")
+    assert seen["quantization_config"].dequantize is True and seen["gguf_file"] == "m.gguf"
+
+
 # ------------------------------------------------- models split over several wheels (Gemma 3)
 
 
