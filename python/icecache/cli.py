@@ -188,7 +188,11 @@ def _add_agreement_parser(evals: Any) -> None:
     ag.add_argument("--window", type=int, default=32, help="window tokens (default 32, IceCache's default)")
     ag.add_argument("--page-size", type=int, default=16, help="page size (default 16)")
     ag.add_argument(
-        "--full-layers", type=int, default=2, help="leading full-attention layers that keep the full cache (default 2)"
+        "--full-layers",
+        type=int,
+        default=2,
+        help="leading full-attention layers that keep the full cache, for every method (default 2; a model with "
+        "few full-attention layers, such as Gemma-3-270M with 3, wants 0 as well)",
     )
     ag.add_argument("--threads", type=int, default=None, help="torch and index threads (default: all cores)")
     ag.add_argument(
@@ -317,7 +321,11 @@ def _add_ruler_parser(evals: Any) -> None:
     ru.add_argument("--window", type=int, default=32, help="window tokens, IceCache and Quest (default 32)")
     ru.add_argument("--page-size", type=int, default=16, help="page size, IceCache and Quest (default 16)")
     ru.add_argument(
-        "--full-layers", type=int, default=2, help="leading full-attention layers that keep the full cache (default 2)"
+        "--full-layers",
+        type=int,
+        default=2,
+        help="leading full-attention layers that keep the full cache, for every method (default 2; a model with "
+        "few full-attention layers, such as Gemma-3-270M with 3, wants 0 as well)",
     )
     ru.add_argument(
         "--ice",
