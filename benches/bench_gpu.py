@@ -102,7 +102,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
 import os
 import resource
@@ -440,10 +439,10 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
     import transformers
-    from icecache._util import register_attention
+    from icecache._util import cache_keyword, register_attention
     from icecache.runtime import IceCache, IceCacheConfig, RuntimeStats, enable, kv_heads_per_rank
     from icecache.runtime.layer import IceLayer
-    from transformers import DynamicCache, LlamaForCausalLM
+    from transformers import DynamicCache
 
     make_config, default_layers = SHAPES[args.shape]
     args.layers = args.layers or default_layers
@@ -484,7 +483,7 @@ def main(argv=None) -> int:
     register_attention("bench", bench_attention)
     model.set_attn_implementation("bench")
     log(f"model built in {time.perf_counter() - t0:.1f} s")
-    kw = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+    kw = cache_keyword(model)
 
     def step(cache, tok):
         _FULL_FLASHINFER[0] = getattr(cache, "bench_flashinfer", False)

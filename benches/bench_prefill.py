@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import statistics
 import sys
@@ -65,6 +64,7 @@ def main(argv=None) -> int:
     import icecache
     import torch
     from icecache import IceCache, IceCacheConfig
+    from icecache._util import cache_keyword
     from torch.profiler import ProfilerActivity, profile
     from transformers import DynamicCache
 
@@ -78,8 +78,7 @@ def main(argv=None) -> int:
     model = build_model(cfg, device, 1)
     model.generation_config.prefill_chunk_size = None
     icecache.enable(model)
-    # transformers 5.24 renamed past_key_values to cache (an unknown keyword is ignored)
-    kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    kw = cache_keyword(model)
     if cuda and args.memory_cap_gib:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total)

@@ -35,6 +35,7 @@ from typing import List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import SHAPES, build_model  # noqa: E402
+from icecache._util import cache_keyword  # noqa: E402
 
 
 @dataclass
@@ -83,13 +84,6 @@ def make_config(base: dict, exact: bool, page_format: str, graphs: bool = True):
     from icecache import IceCacheConfig
 
     return IceCacheConfig(**base, exact_until_indexed=exact, page_format=page_format, cuda_graphs=graphs)
-
-
-def cache_keyword(model) -> str:
-    """``generate``'s cache argument: ``cache`` from transformers 5.24, ``past_key_values`` before."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def generate(model, ids, cache, steps: int, processors):

@@ -17,7 +17,6 @@ fixed tokens (teacher forcing), so both sides see the same inputs whatever the l
 """
 
 import dataclasses
-import inspect
 import os
 
 import numpy as np
@@ -31,6 +30,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
 tp_config = pytest.importorskip("transformers.distributed")
 
 from conftest import tiny_llama_config  # noqa: E402
+from icecache._util import cache_keyword  # noqa: E402
 from icecache.demo_tp import spawn_cpu  # noqa: E402
 from icecache.runtime import HeadShard, IceCache, IceCacheConfig, kv_heads_per_rank  # noqa: E402
 from icecache.runtime.layer import IceLayer  # noqa: E402
@@ -84,7 +84,7 @@ def _run(model, cache, record=None) -> tuple:
     """Prompt forward, then one forward per fixed token; returns ``(logits [1, STEPS+1, V],
     [record(cache) after each step])``."""
     tokens = _tokens()
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kw = cache_keyword(model)
     logits, records = [], []
     with torch.inference_mode():
         logits.append(model(tokens[:, :PROMPT], **{kw: cache}).logits[:, -1])
