@@ -131,6 +131,20 @@ def host_bytes(model, ids) -> dict:
     return res
 
 
+def prose_and_code(tok, prose: int, code: int, tokens: int, seed: int) -> list:
+    """``[(name, ids)]``: ``prose`` novels, then ``code`` modules shipped with the package, of
+    ``tokens`` tokens each (``icecache.texts.documents``)."""
+    from icecache import texts
+
+    docs = []
+    for kind, n in (("prose", prose), ("code", code)):
+        if n:
+            ids = texts.documents(tok, n, tokens, seed=seed, kind=kind)
+            names = texts.document_sources(n, seed=seed, kind=kind)
+            docs += [(f"{kind}-{i} {src}", d) for i, (d, src) in enumerate(zip(ids, names))]
+    return docs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prose", type=int, default=2)
@@ -140,16 +154,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     import torch
-    from icecache import models, texts
+    from icecache import models
 
     torch.set_num_threads(1)
     model, tok = models.load_model("smollm2")
-    docs = []
-    for kind, n in (("prose", args.prose), ("code", args.code)):
-        if n:
-            ids = texts.documents(tok, n, args.tokens, seed=args.seed, kind=kind)
-            names = texts.document_sources(n, seed=args.seed, kind=kind)
-            docs += [(f"{kind}-{i} {src}", d) for i, (d, src) in enumerate(zip(ids, names))]
+    docs = prose_and_code(tok, args.prose, args.code, args.tokens, args.seed)
     errors = output_errors(model, docs, args.queries)
     sizes = host_bytes(model, docs[0][1])
     header, _ = run_header("8-bit host pages on SmolLM2-135M", None)
