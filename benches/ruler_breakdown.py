@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Where IceCache loses a RULER answer: attention recall by layer along the full cache's answer.
+
+For each chosen sample: one exact prefill, the full cache's greedy answer, then IceCache
+(``IceCache.from_prefilled``, ``track_recall=True``) fed that same answer token by token
+(teacher-forced), at each budget and with the look-ahead on and off. Per run it reports the
+answer tokens where IceCache's own choice would differ from the full cache's (the first of them
+shown), and each IceCache layer's attention recall (the share of the full attention mass on the
+tokens the step attended) at that first token and averaged over the answer. Low recall where it
+diverges points at selection (and at the layers that lose it); recall that a larger budget
+restores points at the budget; a difference between look-ahead on and off points at the
+look-ahead's stale query.
+
+    python benches/ruler_breakdown.py --task niah_multivalue --length 8192 --indices 2 5 6 \\
+        [--budgets 256 1024] [--model smollm2] [--samples 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from typing import List
+
+import numpy as np
+
+
+def recalls_by_layer(stats, layers: int, steps: int) -> np.ndarray:
+    """``RuntimeStats.recalls`` (one per layer and step, batch 1) as ``[steps, layers]``."""
+    got = np.asarray(stats.recalls, dtype=np.float64)
+    if got.size != layers * steps:
+        raise RuntimeError(f"expected {layers} x {steps} recalls, got {got.size}")
+    return got.reshape(steps, layers)
+
+
+def teacher_forced(model, cache, answer: List[int]) -> List[int]:
+    """Feeds ``answer[:-1]`` to ``cache`` one token at a time; returns the argmax after each
+    (what the cache would have chosen for ``answer[1:]``)."""
+    import torch
+    from icecache._util import cache_keyword
+
+    kw, chosen = cache_keyword(model), []
+    with torch.inference_mode():
+        for token in answer[:-1]:
+            logits = model(torch.tensor([[token]], device=model.device), logits_to_keep=1, **{kw: cache}).logits
+            chosen.append(int(logits[0, -1].argmax()))
+    return chosen
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--task", required=True)
+    ap.add_argument("--length", type=int, required=True)
+    ap.add_argument("--indices", type=int, nargs="+", required=True, help="sample indices")
+    ap.add_argument("--samples", type=int, default=8, help="the run's samples per task (names its cache)")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    import torch
+    from icecache import models
+    from icecache._util import cache_keyword
+    from icecache.eval.ruler import RulerSettings, data
+    from icecache.eval.ruler.evaluate import _eos_ids, _greedy
+    from icecache.runtime import IceCache, enable
+    from icecache.runtime.layer import IceLayer
+    from transformers import DynamicCache
+
+    torch.set_num_threads(args.threads)
+    model, tok = models.load_model(args.model)
+    enable(model)
+    samples = data.generate_samples(args.task, args.length, tok, args.samples, seed=args.seed, cache_dir=args.cache_dir)
+    allowance = data.task_spec(args.task).tokens_to_generate
+    eos = _eos_ids(model, tok)
+    for sample in (samples[i] for i in args.indices):
+        ids = tok(sample.input, add_special_tokens=not sample.chat, return_tensors="pt").input_ids
+        prefix = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            first = int(model(ids, logits_to_keep=1, **{cache_keyword(model): prefix}).logits[0, -1].argmax())
+        answer = _greedy(model, copy.deepcopy(prefix), first, allowance, eos)
+        text = tok.decode(answer, skip_special_tokens=True)
+        (score,) = data.score_task(args.task, [text], [sample.outputs])
+        print(f"\n### {args.task} {args.length} #{sample.index}: full cache scores {score:.0f} ({text[:80]!r})")
+        print(
+            "| budget | look-ahead | tokens it would choose otherwise | recall there, mean (lowest layer) "
+            "| recall over the answer, mean | lowest layers over the answer |"
+        )
+        print("|---|---|---|---|---|---|")
+        for budget in args.budgets:
+            for lookahead in (True, False):
+                config = RulerSettings(icecache={"lookahead": lookahead}).ice_config(budget)
+                cache = IceCache.from_prefilled(config, model, prefix, track_recall=True)
+                chosen = teacher_forced(model, cache, answer)
+                layers = [x for x in cache.layers if isinstance(x, IceLayer)]
+                first_layer = cache.layers.index(layers[0])
+                rec = recalls_by_layer(cache.stats, len(layers), len(chosen))
+                differ = [i for i, (c, a) in enumerate(zip(chosen, answer[1:])) if c != a]
+                mean = rec.mean(0)
+                worst = np.argsort(mean)[:3]
+                low = ", ".join(f"{first_layer + int(j)}: {mean[j]:.3f}" for j in worst)
+                if not differ:
+                    at, there = "none", "-"
+                else:
+                    i, r = differ[0], rec[differ[0]]
+                    full, ice = tok.decode([answer[i + 1]]), tok.decode([chosen[i]])
+                    at = f"{len(differ)}; first: token {i + 1}, {full!r} -> {ice!r}"
+                    there = f"{r.mean():.3f} ({first_layer + int(r.argmin())}: {r.min():.3f})"
+                print(f"| {budget} | {'on' if lookahead else 'off'} | {at} | {there} | {rec.mean():.3f} | {low} |")
+                del cache
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
