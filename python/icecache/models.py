@@ -389,9 +389,10 @@ def load_model(
 def _dense_weights() -> dict:
     """``from_pretrained`` arguments that unpack every GGUF weight into a dense tensor. Where the
     ``kernels`` package offers a GGUF matmul kernel for the device, transformers (>= 5.17) keeps
-    the weights packed, computes each matmul in float32 from the blocks, and swaps in its own
-    attention kernel: another model than the dense one measured everywhere else, and on the
-    H200 a 270M model then decoded at about 50 ms per token in bfloat16."""
+    the weights packed, computes each matmul in float32 from the blocks and, unless an attention
+    is asked for, swaps in its own attention kernel: another model than the dense one measured
+    everywhere else, and a slower one in bfloat16 (benches/RESULTS.md, "RULER on Gemma-3-270M
+    on the H200")."""
     import inspect
 
     try:
