@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_index import run_header  # noqa: E402
-from bench_int8_pages import attention, prose_and_code, rel_l2  # noqa: E402
+from bench_int8_pages import bf16_middle, output_errors, prose_and_code  # noqa: E402
 
 SINK, WINDOW = 16, 32
 VARIANTS = ("int8", "int4-row", "int4-g32", "int4-g32-asym")
@@ -121,33 +121,15 @@ def agreement(model, docs, queries: int) -> dict:
     return out
 
 
-def output_errors(model, docs, queries: int) -> dict:
-    """Per document and variant (and ``bf16``): the relative L2 error of every layer."""
+def through(variant: str):
+    """A middle transform for :func:`bench_int8_pages.output_errors`: K through the int8
+    quantiser, V through ``variant``'s."""
     import torch
-    from icecache.capture import capture_qkv
 
-    out = {}
-    for name, ids in docs:
-        qkv = capture_qkv(model, ids)
-        T = len(ids)
-        positions = list(range(T - queries, T))
-        mid = slice(SINK, T - queries - WINDOW)
-        errs: dict = {v: [] for v in (*VARIANTS, "bf16")}
-        for layer in sorted(qkv):
-            q, k, v = qkv[layer]
-            ref = attention(q, k, v, positions)
-            k8 = k.copy()
-            k8[:, mid] = quantise(torch.from_numpy(k[:, mid]), "int8").numpy()
-            for variant in VARIANTS:
-                vq = v.copy()
-                vq[:, mid] = quantise(torch.from_numpy(v[:, mid]), variant).numpy()
-                errs[variant].append(rel_l2(attention(q, k8, vq, positions), ref))
-            kb, vb = k.copy(), v.copy()
-            for a in (kb, vb):
-                a[:, mid] = torch.from_numpy(a[:, mid]).bfloat16().float().numpy()
-            errs["bf16"].append(rel_l2(attention(q, kb, vb, positions), ref))
-        out[name] = errs
-    return out
+    def middle(k, v):
+        return quantise(torch.from_numpy(k), "int8").numpy(), quantise(torch.from_numpy(v), variant).numpy()
+
+    return middle
 
 
 def main(argv=None) -> int:
@@ -166,7 +148,7 @@ def main(argv=None) -> int:
     model, tok = models.load_model("smollm2")
     docs = prose_and_code(tok, args.prose, args.code, args.tokens, args.seed)
     agree = agreement(model, docs, args.queries)
-    errors = output_errors(model, docs, args.queries)
+    errors = output_errors(model, docs, args.queries, {**{v: through(v) for v in VARIANTS}, "bf16": bf16_middle})
     header, _ = run_header("Fewer bits for V: 4-bit values beside 8-bit keys, SmolLM2-135M", None)
     dim = model.config.hidden_size // model.config.num_attention_heads
     lines = [header, ""]
