@@ -155,6 +155,17 @@ def _effort_arg(text: str) -> Union[float, Literal["auto"]]:
         raise argparse.ArgumentTypeError(f'must be a number or "auto", got {text!r}') from None
 
 
+def _add_full_layers(parser: argparse.ArgumentParser) -> None:
+    """``--full-layers``, shared by the evaluations that compare methods on the same layers."""
+    parser.add_argument(
+        "--full-layers",
+        type=int,
+        default=2,
+        help="leading full-attention layers that keep the full cache, for every method (default 2; a model with "
+        "few full-attention layers, such as Gemma-3-270M with 3, wants 0 as well)",
+    )
+
+
 def _add_agreement_parser(evals: Any) -> None:
     from icecache.eval.agreement import DEFAULT_BUDGETS, METHODS
 
@@ -187,13 +198,7 @@ def _add_agreement_parser(evals: Any) -> None:
     ag.add_argument("--sink", type=int, default=16, help="sink tokens (default 16)")
     ag.add_argument("--window", type=int, default=32, help="window tokens (default 32, IceCache's default)")
     ag.add_argument("--page-size", type=int, default=16, help="page size (default 16)")
-    ag.add_argument(
-        "--full-layers",
-        type=int,
-        default=2,
-        help="leading full-attention layers that keep the full cache, for every method (default 2; a model with "
-        "few full-attention layers, such as Gemma-3-270M with 3, wants 0 as well)",
-    )
+    _add_full_layers(ag)
     ag.add_argument("--threads", type=int, default=None, help="torch and index threads (default: all cores)")
     ag.add_argument(
         "--effort",
@@ -320,13 +325,7 @@ def _add_ruler_parser(evals: Any) -> None:
     ru.add_argument("--sink", type=int, default=16, help="sink tokens, every method (default 16)")
     ru.add_argument("--window", type=int, default=32, help="window tokens, IceCache and Quest (default 32)")
     ru.add_argument("--page-size", type=int, default=16, help="page size, IceCache and Quest (default 16)")
-    ru.add_argument(
-        "--full-layers",
-        type=int,
-        default=2,
-        help="leading full-attention layers that keep the full cache, for every method (default 2; a model with "
-        "few full-attention layers, such as Gemma-3-270M with 3, wants 0 as well)",
-    )
+    _add_full_layers(ru)
     ru.add_argument(
         "--ice",
         type=_option_arg,
