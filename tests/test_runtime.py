@@ -647,6 +647,25 @@ def test_long_generation_inserts_evicts_and_reloads(
         assert 0 < len(stats.reranked) < steps * len(layers)
 
 
+@pytest.mark.parametrize("page_format", ["native", "int8"])
+def test_recall_is_one_when_the_budget_covers_the_context_in_reusing_layers(page_format):
+    """With every token attended, the recall probe reads 1 at every layer and step, the layers
+    that reuse a leader's layout included: their probe counts each offloaded token once, in the
+    layout of the job the step applied, even after the leader's next job has inserted the
+    tokens the window handed over (and split pages) while the reusing layers' stores still hold
+    the old layout."""
+    model = tiny_model("llama")
+    cfg = IceCacheConfig(
+        budget=2048, full_layers=1, exact_until_indexed=False, window=16, reuse=2, page_format=page_format
+    )
+    cache = IceCache(cfg, model, track_recall=True)
+    steps = 70
+    run_steps(model, prompt_ids(200, seed=11), cache, steps)
+    recalls = np.asarray(cache.stats.recalls)
+    assert recalls.size == steps * len(ice_layers(cache))
+    np.testing.assert_allclose(recalls, 1.0, atol=1e-4)
+
+
 def test_lookahead_keeps_flushed_tokens_attended_until_inserted(pool_checks):
     """Deterministic window flushes under look-ahead: on every step each token is attended
     exactly once (window or page), so with the budget covering the context the output equals
@@ -1208,6 +1227,29 @@ def test_pinned_blocks_are_reused_by_size_class_and_trimmed():
     assert pinned.nbytes() == (128 + 64) * 4
     pinned.trim()
     assert pinned.nbytes() == 0
+
+
+def test_pinning_by_registering_only_where_the_process_set_no_allocator(monkeypatch):
+    """pin_by_registering sets torch's host allocator to register pages (PINNING) in a process
+    that configured no allocator, once; it leaves alone a process with an allocator variable in
+    its environment or a setting made at runtime, and a torch without the accelerator API."""
+    from icecache.runtime import hostmem
+
+    settings: list = []
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: ",".join(settings), raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append, raising=False)
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert not hostmem.pin_by_registering() and settings == []
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert hostmem.pin_by_registering() and settings == [hostmem.PINNING]
+    assert not hostmem.pin_by_registering() and settings == [hostmem.PINNING]  # set already
+    settings[:] = ["max_split_size_mb:256"]  # the process's own, at runtime
+    assert not hostmem.pin_by_registering() and settings == ["max_split_size_mb:256"]
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
+    settings.clear()
+    assert not hostmem.pin_by_registering() and settings == []
 
 
 def test_host_prefix_gathers_into_a_buffer_as_into_new_tensors():

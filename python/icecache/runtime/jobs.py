@@ -12,7 +12,7 @@ before its followers start theirs (they come after it in layer order).
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -313,6 +313,9 @@ class LeaderJobs(LayerJobs):
         self.page_bound = 0
         #: Per sequence: whether the current job's first pages built its index (short prompts).
         self.built_now = [False] * self.batch
+        #: Per sequence, the recall probe's token maps of the current step (``track_recall``;
+        #: :func:`icecache.runtime.probe.track_recall`), kept for the followers' probes.
+        self.probe_maps: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @property
     def group_indexes(self) -> List[PageIndex]:

@@ -3,16 +3,42 @@ decode attention."""
 
 from __future__ import annotations
 
+from typing import List, Tuple
+
 import numpy as np
 import torch
 
 from icecache import _core
 from icecache.attend.ranked import RankedAttention
-from icecache.runtime.jobs import LayerJobs
+from icecache.runtime.jobs import FollowerJobs, LayerJobs, LeaderJobs
 from icecache.runtime.runtime import RuntimeStats
 from icecache.runtime.window import DeviceWindow
 
 __all__ = ["track_recall"]
+
+
+def _token_maps(jobs: LayerJobs, b: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Per KV head, the (page, slot) of each offloaded token of sequence ``b`` in the layout of
+    the job this step applied. A leader reads its index, whose next job starts only after this
+    probe, and keeps the maps for its followers: by their probes that next job may have inserted
+    tokens and split pages, while their stores keep the applied layout until their own next
+    job."""
+    if isinstance(jobs, FollowerJobs):
+        maps = jobs.leader.probe_maps.get(b)
+        if maps is None:
+            raise RuntimeError(f"layer {jobs.layer_idx}: its leader's recall probe did not run this step")
+        return maps
+    if not isinstance(jobs, LeaderJobs):
+        raise TypeError(f"unknown layer jobs {type(jobs).__name__}")
+    forest = jobs.indexes[b].forest
+    if forest is None:
+        raise RuntimeError(f"layer {jobs.layer_idx}: sequence {b} has no index to probe")
+    maps = []
+    for h in range(jobs.heads):
+        page, slot = forest.token_map(h)
+        maps.append((torch.from_numpy(page).long(), torch.from_numpy(slot).long()))
+    jobs.probe_maps[b] = maps
+    return maps
 
 
 def track_recall(
@@ -58,8 +84,7 @@ def track_recall(
         total = torch.logsumexp(dense.masked_fill(~dense_valid[b, :, None], float("-inf")), dim=-1)  # [H, G]
         if index.forest is not None:
             store = jobs.stores[b].tokens(jobs.dtype)[0].float()  # as the device attends it
-            for h in range(H):
-                page, slot = (torch.from_numpy(a).long() for a in index.forest.token_map(h))
+            for h, (page, slot) in enumerate(_token_maps(jobs, b)):
                 mid = qb[h] @ store[h, page, slot].T * scale  # [G, n]
                 total[h] = torch.logaddexp(total[h], torch.logsumexp(mid, dim=-1))
         recall = torch.exp(lse[b].view(H, G) - total)
