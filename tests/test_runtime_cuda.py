@@ -3,6 +3,8 @@ worker (flags written by the device behind each layer's queries), device-side ra
 attention, the prefill pipeline's side stream. Skipped without CUDA (CI has no GPU); run on a
 GPU machine with ``PYTHONPATH=python:tests pytest tests/test_runtime_cuda.py``."""
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -333,6 +335,24 @@ def test_cuda_chunked_prefill_peak_at_64k_stays_under_its_bound():
     del ice
     full_peak = peak(DynamicCache(config=model.config), ids.shape[1])
     assert ice_peak <= 2.5 < full_peak, (ice_peak, full_peak)
+
+
+def test_cuda_cache_pins_by_registering_pages():
+    """A cache on CUDA in a process with no allocator configuration has torch pin host memory by
+    registering pages; a chunked prompt then decodes as one forward does."""
+    from icecache.runtime import hostmem
+
+    if any(os.environ.get(v) for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")):
+        pytest.skip("the process configured its own allocator")
+    model = tiny_model("llama").cuda()
+    ids = prompt_ids(300, seed=5).cuda()
+    cfg = IceCacheConfig(budget=1024, full_layers=1, exact_until_indexed=False)
+    cache = IceCache(cfg, model)
+    assert hostmem.PINNING in torch._C._accelerator_getAllocatorSettings()
+    got = run_steps(model, ids, cache, 4, chunk=64)
+    assert torch.empty(8, pin_memory=True).is_pinned()
+    want = run_steps(model, ids, IceCache(cfg, model), 4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_cuda_second_chunked_prompt_reuses_the_first_ones_pinned_blocks():

@@ -11,8 +11,9 @@ layer's work. The index worker reads its middle tokens from here
 until the indexes are ready (:class:`icecache.runtime.bridge.Bridge`); then it is dropped: the
 page stores hold the prompt.
 
-Pinning host memory is slow on some hosts (~8 ms per 32 MiB on the H200's, on the main thread,
-more than the chunk's compute), so the process keeps the blocks of its last chunked prompt for
+Pinning host memory is slow on some hosts (~4 ms per 32 MiB on the H200's, on the main thread,
+even by registering pages, :func:`icecache.runtime.hostmem.pin_by_registering`), so the process
+keeps the blocks of its last chunked prompt for
 the next one, whichever cache takes it (:data:`PINNED`): the next prompt's prefill needs that
 much host memory anyway.
 """

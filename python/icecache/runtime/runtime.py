@@ -98,6 +98,8 @@ class Runtime:
         self.config = config
         self.device = device
         self.track_recall = track_recall
+        if device.type == "cuda":
+            hostmem.pin_by_registering()  # chunked prompts pin their host copy as they come
         #: Query heads of every attention layer (of this process).
         self.query_heads = query_heads
         #: The decode steps' counters.
