@@ -3,24 +3,28 @@
 
 For each chosen sample: one exact prefill, the full cache's greedy answer, then IceCache
 (``IceCache.from_prefilled``, ``track_recall=True``) fed that same answer token by token
-(teacher-forced), at each budget and with the look-ahead on and off. Per run it reports the
-answer tokens where IceCache's own choice would differ from the full cache's (the first of them
-shown), and each IceCache layer's attention recall (the share of the full attention mass on the
-tokens the step attended) at that first token and averaged over the answer. Low recall where it
-diverges points at selection (and at the layers that lose it); recall that a larger budget
-restores points at the budget; a difference between look-ahead on and off points at the
+(teacher-forced), at each budget, with the look-ahead on and off, and for each ``--variant`` of
+IceCache's options. Per run it reports the answer tokens where IceCache's own choice would
+differ from the full cache's (the first of them shown, with the full cache's and IceCache's
+margin for the answer's token there: a full cache that barely prefers it marks a coin-flip
+answer), and each IceCache layer's attention recall (the share of the full attention mass on
+the tokens the step attended) at that first token and averaged over the answer. Low recall
+where it diverges points at selection (and at the layers that lose it); recall that a larger
+budget restores points at the budget; a difference between look-ahead on and off points at the
 look-ahead's stale query.
 
     python benches/ruler_breakdown.py --task niah_multivalue --length 8192 --indices 2 5 6 \\
-        [--budgets 256 1024] [--model smollm2] [--samples 8]
+        [--budgets 256 1024] [--model smollm2] [--samples 8] [--full-layers 2] [--dtype float32] \\
+        [--variant page_format=native --variant effort=2.0] [--lookahead on off]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import sys
-from typing import List
+from typing import List, Tuple
 
 import numpy as np
 
@@ -33,18 +37,24 @@ def recalls_by_layer(stats, layers: int, steps: int) -> np.ndarray:
     return got.reshape(steps, layers)
 
 
-def teacher_forced(model, cache, answer: List[int]) -> List[int]:
+def teacher_forced(model, cache, answer: List[int]) -> Tuple[List[int], List[float]]:
     """Feeds ``answer[:-1]`` to ``cache`` one token at a time; returns the argmax after each
-    (what the cache would have chosen for ``answer[1:]``)."""
+    (what the cache would have chosen for ``answer[1:]``) and the margin of the answer's token
+    there: its logit minus the best other token's (negative where the cache would choose
+    another)."""
     import torch
     from icecache._util import cache_keyword
 
-    kw, chosen = cache_keyword(model), []
+    kw, chosen, margins = cache_keyword(model), [], []
     with torch.inference_mode():
-        for token in answer[:-1]:
+        for token, want in zip(answer[:-1], answer[1:]):
             logits = model(torch.tensor([[token]], device=model.device), logits_to_keep=1, **{kw: cache}).logits
-            chosen.append(int(logits[0, -1].argmax()))
-    return chosen
+            row = logits[0, -1].float()
+            chosen.append(int(row.argmax()))
+            other = row.clone()
+            other[want] = float("-inf")
+            margins.append(float(row[want] - other.max()))
+    return chosen, margins
 
 
 def main(argv=None) -> int:
@@ -58,10 +68,22 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--full-layers", type=int, default=2, help="as `icecache eval ruler --full-layers`")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (the H200's runs: bfloat16)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="IceCache options to compare, as `icecache eval ruler --ice` takes them, comma-separated; "
+        "repeatable (default: one run with the defaults); page_size is shared by every method and named here too",
+    )
+    ap.add_argument("--lookahead", nargs="+", choices=["on", "off"], default=["on", "off"])
     args = ap.parse_args(argv)
     import torch
     from icecache import models
     from icecache._util import cache_keyword
+    from icecache.cli import _option_arg
     from icecache.eval.ruler import RulerSettings, data
     from icecache.eval.ruler.evaluate import _eos_ids, _greedy
     from icecache.runtime import IceCache, enable
@@ -69,7 +91,8 @@ def main(argv=None) -> int:
     from transformers import DynamicCache
 
     torch.set_num_threads(args.threads)
-    model, tok = models.load_model(args.model)
+    variants = [dict(_option_arg(o) for o in v.split(",") if o) for v in args.variant or [""]]
+    model, tok = models.load_model(args.model, dtype=getattr(torch, args.dtype))
     enable(model)
     samples = data.generate_samples(args.task, args.length, tok, args.samples, seed=args.seed, cache_dir=args.cache_dir)
     allowance = data.task_spec(args.task).tokens_to_generate
@@ -80,35 +103,39 @@ def main(argv=None) -> int:
         with torch.inference_mode():
             first = int(model(ids, logits_to_keep=1, **{cache_keyword(model): prefix}).logits[0, -1].argmax())
         answer = _greedy(model, copy.deepcopy(prefix), first, allowance, eos)
+        _, full_margins = teacher_forced(model, copy.deepcopy(prefix), answer)
         text = tok.decode(answer, skip_special_tokens=True)
         (score,) = data.score_task(args.task, [text], [sample.outputs])
         print(f"\n### {args.task} {args.length} #{sample.index}: full cache scores {score:.0f} ({text[:80]!r})")
         print(
-            "| budget | look-ahead | tokens it would choose otherwise | recall there, mean (lowest layer) "
-            "| recall over the answer, mean | lowest layers over the answer |"
+            "| options | budget | look-ahead | tokens it would choose otherwise | margin there, full cache / IceCache "
+            "| recall there, mean (lowest layer) | recall over the answer, mean | lowest layers over the answer |"
         )
-        print("|---|---|---|---|---|---|")
-        for budget in args.budgets:
-            for lookahead in (True, False):
-                config = RulerSettings(icecache={"lookahead": lookahead}).ice_config(budget)
-                cache = IceCache.from_prefilled(config, model, prefix, track_recall=True)
-                chosen = teacher_forced(model, cache, answer)
-                layers = [x for x in cache.layers if isinstance(x, IceLayer)]
-                first_layer = cache.layers.index(layers[0])
-                rec = recalls_by_layer(cache.stats, len(layers), len(chosen))
-                differ = [i for i, (c, a) in enumerate(zip(chosen, answer[1:])) if c != a]
-                mean = rec.mean(0)
-                worst = np.argsort(mean)[:3]
-                low = ", ".join(f"{first_layer + int(j)}: {mean[j]:.3f}" for j in worst)
-                if not differ:
-                    at, there = "none", "-"
-                else:
-                    i, r = differ[0], rec[differ[0]]
-                    full, ice = tok.decode([answer[i + 1]]), tok.decode([chosen[i]])
-                    at = f"{len(differ)}; first: token {i + 1}, {full!r} -> {ice!r}"
-                    there = f"{r.mean():.3f} ({first_layer + int(r.argmin())}: {r.min():.3f})"
-                print(f"| {budget} | {'on' if lookahead else 'off'} | {at} | {there} | {rec.mean():.3f} | {low} |")
-                del cache
+        print("|---|---|---|---|---|---|---|---|")
+        for variant, budget, lookahead in itertools.product(variants, args.budgets, args.lookahead):
+            options = dict(variant, lookahead=lookahead == "on")
+            page_size = options.pop("page_size", 16)
+            settings = RulerSettings(page_size=page_size, full_layers=args.full_layers, icecache=options)
+            config = settings.ice_config(budget)
+            cache = IceCache.from_prefilled(config, model, prefix, track_recall=True)
+            chosen, margins = teacher_forced(model, cache, answer)
+            layers = [x for x in cache.layers if isinstance(x, IceLayer)]
+            rec = recalls_by_layer(cache.stats, len(layers), len(chosen))
+            differ = [i for i, (c, a) in enumerate(zip(chosen, answer[1:])) if c != a]
+            mean = rec.mean(0)
+            worst = np.argsort(mean)[:3]
+            low = ", ".join(f"{layers[j].layer_idx}: {mean[j]:.3f}" for j in worst)
+            if not differ:
+                at, there, margin = "none", "-", "-"
+            else:
+                i, r = differ[0], rec[differ[0]]
+                full, ice = tok.decode([answer[i + 1]]), tok.decode([chosen[i]])
+                at = f"{len(differ)}; first: token {i + 1}, {full!r} -> {ice!r}"
+                there = f"{r.mean():.3f} ({layers[int(r.argmin())].layer_idx}: {r.min():.3f})"
+                margin = f"{full_margins[i]:.3f} / {margins[i]:.3f}"
+            named = ", ".join(f"{k}={v}" for k, v in variant.items()) or "defaults"
+            print(f"| {named} | {budget} | {lookahead} | {at} | {margin} | {there} | {rec.mean():.3f} | {low} |")
+            del cache
     return 0
 
 
