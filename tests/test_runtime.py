@@ -1247,6 +1247,9 @@ def test_pinning_by_registering_only_where_the_process_set_no_allocator(monkeypa
     assert not hostmem.pin_by_registering() and settings == [hostmem.PINNING]  # set already
     settings[:] = ["max_split_size_mb:256"]  # the process's own, at runtime
     assert not hostmem.pin_by_registering() and settings == ["max_split_size_mb:256"]
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings")
+    settings.clear()
+    assert hostmem.pin_by_registering() and settings == [hostmem.PINNING]  # torch 2.11: no getter
     monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
     settings.clear()
     assert not hostmem.pin_by_registering() and settings == []

@@ -42,12 +42,14 @@ def pin_by_registering() -> bool:
     pinned 8.4 GiB/s (benches/RESULTS.md). The setting is the process's (torch's caching host
     allocator), so it is made only where the process configured no allocator of its own (none of
     the ``PYTORCH_*ALLOC_CONF`` variables, no runtime setting); such a process keeps its own, and
-    adds :data:`PINNING` to it to get this. Returns whether the setting was made now."""
+    adds :data:`PINNING` to it to get this. A torch that can set but not read the settings
+    (2.11) cannot show a runtime setting: there only the variables are looked at (the setting
+    changes only the keys it names). Returns whether the setting was made now."""
     if any(os.environ.get(var) for var in _ALLOC_CONF):
         return False
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if getter is None or setter is None or getter():
+    if setter is None or (getter is not None and getter()):
         return False
     setter(PINNING)
     return True
@@ -88,7 +90,8 @@ def bytes_per_token(heads: int, dim: int, dtype: torch.dtype, page_format: str, 
     size = torch.empty((), dtype=dtype).element_size()
     came = 2 * dim * size
     rows = dim + 4  # an int8 row and its float32 scale: what the index reads
-    stored = 2 * rows if page_format == "int8" else came + rows
+    value4 = -(-dim // 2) + -(-dim // 32) * 4  # 4-bit codes, a bfloat16 step and minimum a group
+    stored = {"int8": 2 * rows, "k8v4": rows + value4}.get(page_format, came + rows)
     return heads * ((came if streamed else 0) + (stored + INDEX_BYTES) * PAGE_SLACK_PERCENT // 100)
 
 
@@ -102,5 +105,5 @@ def check_prompt_fits(tokens: int, per_token: int, layers: int, available: Optio
         raise MemoryError(
             f"IceCache: a prompt of {tokens} tokens needs {need / gib:.2f} GiB of host memory ({layers} layers "
             f"x {per_token} bytes a token), but {available / gib:.2f} GiB were available when it began; use a "
-            "shorter prompt, fewer sequences or page_format='int8'"
+            "shorter prompt, fewer sequences or a smaller page_format ('int8', 'k8v4')"
         )
