@@ -53,8 +53,8 @@ compile's warm-up, one call before the rounds, is reported on its own line and l
 TTST and TPOT), ``ice`` IceCache (look-ahead), ``ice3`` IceCache with
 reuse 3, ``ice-wait`` IceCache whose first decode step waits for the index
 (``exact_until_indexed=False``), ``ice-r2`` IceCache selecting a new superset every second step, ``ice-fixed`` and
-``ice-adaptive`` IceCache with that ``budget_mode``, ``ice-int8`` IceCache with 8-bit host
-pages (``page_format="int8"``), ``ice-auto`` IceCache with
+``ice-adaptive`` IceCache with that ``budget_mode``, ``ice-native``, ``ice-int8`` and
+``ice-k8v4`` IceCache with that ``page_format``, ``ice-auto`` IceCache with
 ``effort="auto"`` (each layer's index calibrated on the prompt's last queries), ``fresh`` IceCache
 with fresh selection (every layer step waits for the host: the
 synchronous reference). Look-ahead never waits for the host within a step, so a "correction
@@ -356,8 +356,8 @@ def flashinfer_ready() -> str:
 
 
 def ice_options(name: str) -> dict:
-    """IceCacheConfig options of a variant named ``ice`` followed by any of ``-int8`` (8-bit
-    pages), ``-gv`` / ``-ov`` (group view on / one view per query head), ``-wait`` (no bridge:
+    """IceCacheConfig options of a variant named ``ice`` followed by any of ``-native``, ``-int8``,
+    ``-k8v4`` (the page format), ``-gv`` / ``-ov`` (group view on / one view per query head), ``-wait`` (no bridge:
     the first step waits for the index; the prompt's device copy is freed once copied), ``-rN``
     (refresh N), ``-eX`` (effort X), ``-tN`` (N index threads), ``-inline`` (every staging copy at
     its layer's own step, none started early: ``LayerJobs.upload_ahead`` off, for comparison; not
@@ -367,8 +367,8 @@ def ice_options(name: str) -> dict:
         return {}
     options: dict = {}
     for part in parts[1:]:
-        if part == "int8":
-            options["page_format"] = "int8"
+        if part in ("native", "int8", "k8v4"):
+            options["page_format"] = part
         elif part in ("gv", "ov"):
             options["group_view"] = part == "gv"
         elif part == "wait":
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
         "StaticCache + generate, decode step compiled (torch.compile, CUDA graphs); ice: IceCache; "
         "ice3: IceCache reuse=3; fresh: IceCache with fresh selection; ice-fixed, ice-adaptive: IceCache "
         "with that budget_mode; ice-auto: IceCache with effort='auto' (calibrated during prefill); ice "
-        "followed by any of -int8 (page_format), -gv/-ov (group_view on/off), -wait "
+        "followed by any of -native/-int8/-k8v4 (page_format), -gv/-ov (group_view on/off), -wait "
         "(exact_until_indexed=False), -rN (refresh N), -eX (effort X), -tN (N index threads), -inline (no "
         "staging copy started early), e.g. ice-r2, "
         "ice-int8-gv-r2",

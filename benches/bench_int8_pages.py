@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""8-bit host pages (``IceCacheConfig(page_format="int8")``) on real SmolLM2 attention.
+"""Quantised host pages (``IceCacheConfig(page_format="int8")``, and ``"k8v4"``: 8-bit K, 4-bit V)
+on real SmolLM2 attention.
 
 Two measurements, prose and code documents shipped with the package
 (``icecache.texts.documents``):
@@ -8,10 +9,11 @@ Two measurements, prose and code documents shipped with the package
    are captured once per document (``icecache.capture``). For the last ``--queries`` positions
    ``t``, each query head attends every token ``<= t`` causally, as IceCache does with a budget
    that covers the context: the sink (16 first tokens) and the window (32 last) exact, every
-   middle token as the 8-bit stores hold it, dequantised (int8 codes times a float32 scale per
-   (KV head, token) row, by the core's quantiser: ``HeadForest.write_pages`` into uint8 stores,
-   read back with ``PageStore.tokens``). Reported per layer: the relative L2 error
-   ``||O_int8 - O||_F / ||O||_F`` over the query heads and positions against the exact
+   middle token as the quantised stores hold it, dequantised (int8 codes times a float32 scale
+   per (KV head, token) row; with ``k8v4`` V as 4-bit codes with a bfloat16 step and minimum
+   per 32 values; by the core's quantisers: ``HeadForest.write_pages`` into uint8 stores, read
+   back with ``PageStore.tokens``). Reported per layer: the relative L2 error
+   ``||O_q - O||_F / ||O||_F`` over the query heads and positions against the exact
    attention output ``O``; for scale, the same error when the middle tokens are only rounded to
    bfloat16 (what a bf16 KV cache costs against float32).
 2. Host bytes: ``IceCache.nbytes()["host"]`` after one ``--tokens`` prompt with each page format
@@ -19,11 +21,13 @@ Two measurements, prose and code documents shipped with the package
    half as large), and the page stores' bytes per offloaded token and layer.
 
     python benches/bench_int8_pages.py [--prose 2] [--code 2] [--tokens 4096] [--queries 64]
+        [--formats int8 k8v4]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -35,15 +39,15 @@ from bench_index import run_header  # noqa: E402
 SINK, WINDOW, PAGE = 16, 32, 16
 
 
-def dequantised_middle(k: np.ndarray, v: np.ndarray):
-    """``k``, ``v`` ``[H, n, D]`` float32 through the runtime's 8-bit page stores and back."""
+def dequantised_middle(k: np.ndarray, v: np.ndarray, page_format: str = "int8"):
+    """``k``, ``v`` ``[H, n, D]`` float32 through the runtime's quantised page stores and back."""
     import icecache
     import torch
     from icecache.runtime.pages import PageStore
 
     H, n, D = k.shape
-    forest = icecache.HeadForest(k, page_size=PAGE, seed=0, page_format="int8")
-    store = PageStore(H, PAGE, D, torch.float32, "int8")
+    forest = icecache.HeadForest(k, page_size=PAGE, seed=0, page_format=page_format)
+    store = PageStore(H, PAGE, D, torch.float32, page_format)
     store.reserve(forest.max_pages(), 0)
     forest.write_pages(k, v, *store.views())
     kd, vd = store.tokens(torch.float32)
@@ -109,14 +113,14 @@ def output_errors(model, docs, queries: int, middles: dict) -> dict:
     return out
 
 
-def host_bytes(model, ids) -> dict:
+def host_bytes(model, ids, formats) -> dict:
     """``IceCache.nbytes()`` after the prompt and one decode step, per page format."""
     import torch
     from icecache.runtime import IceCache, IceCacheConfig
     from icecache.runtime.layer import IceLayer
 
     res = {}
-    for fmt in ("native", "int8"):
+    for fmt in ("native", *formats):
         cache = IceCache(IceCacheConfig(budget=256, page_format=fmt), model)
         with torch.inference_mode():
             out = model(torch.tensor([ids]), cache=cache, logits_to_keep=1)
@@ -125,7 +129,10 @@ def host_bytes(model, ids) -> dict:
         layers = [x for x in cache.layers if isinstance(x, IceLayer)]
         offloaded = sum(len(x.indexes[0].forest) for x in layers)
         used = sum(
-            s.k[:, : x.indexes[0].forest.max_pages()].numel() * s.k.element_size() * 2 for x in layers for s in x.stores
+            t[:, : x.indexes[0].forest.max_pages()].numel() * t.element_size()
+            for x in layers
+            for s in x.stores
+            for t in (s.k, s.v)
         )
         res[fmt] = dict(
             host=cache.nbytes()["host"],
@@ -158,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--queries", type=int, default=64, help="last positions measured per document")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--formats", nargs="+", default=["int8"], choices=["int8", "k8v4"], help="quantised page formats")
     args = ap.parse_args(argv)
     import torch
     from icecache import models
@@ -165,19 +173,32 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     model, tok = models.load_model("smollm2")
     docs = prose_and_code(tok, args.prose, args.code, args.tokens, args.seed)
-    errors = output_errors(model, docs, args.queries, {"int8": dequantised_middle, "bf16": bf16_middle})
-    sizes = host_bytes(model, docs[0][1])
-    header, _ = run_header("8-bit host pages on SmolLM2-135M", None)
-    lines = [header, "", "| document | int8 rel. L2 mean | int8 max (layer) | bf16 rel. L2 mean |", "|---|---|---|---|"]
+    middles = {f: functools.partial(dequantised_middle, page_format=f) for f in args.formats}
+    errors = output_errors(model, docs, args.queries, {**middles, "bf16": bf16_middle})
+    sizes = host_bytes(model, docs[0][1], args.formats)
+    header, _ = run_header("Quantised host pages on SmolLM2-135M", None)
+    cols = [*args.formats, "bf16"]
+    lines = [
+        header,
+        "",
+        "Attention output error, relative L2, mean over the layers (worst, its layer):",
+        "",
+        "| document | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+
+    def cell(e: list) -> str:
+        worst = int(np.argmax(e))
+        return f"{np.mean(e):.2e} ({e[worst]:.2e}, {worst})"
+
     for name, e in errors.items():
-        worst = int(np.argmax(e["int8"]))
-        lines.append(
-            f"| {name} | {np.mean(e['int8']):.2e} | {e['int8'][worst]:.2e} ({worst}) | {np.mean(e['bf16']):.2e} |"
-        )
-    all8 = [x for e in errors.values() for x in e["int8"]]
-    allb = [x for e in errors.values() for x in e["bf16"]]
+        lines.append(f"| {name} | " + " | ".join(cell(e[c]) for c in cols) + " |")
+    every = {c: [x for e in errors.values() for x in e[c]] for c in cols}
+    n = len(every[cols[0]])
     lines.append(
-        f"| all ({len(all8)} layer-documents) | {np.mean(all8):.2e} | {np.max(all8):.2e} | {np.mean(allb):.2e} |"
+        f"| all ({n} layer-documents) | "
+        + " | ".join(f"{np.mean(every[c]):.2e} ({np.max(every[c]):.2e})" for c in cols)
+        + " |"
     )
     lines += [
         "",

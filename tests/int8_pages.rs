@@ -1,10 +1,10 @@
-//! Tests of 8-bit page stores: the row quantiser's error bound, and `write_pages` / `insert`
-//! into 8-bit stores (with page splits) holding the quantised K/V of exactly the tokens the
-//! page lists say.
+//! Tests of quantised page stores: the 8-bit row quantiser's error bound, and `write_pages` /
+//! `insert` into 8-bit stores and into 8-bit K / 4-bit V stores (with page splits) holding the
+//! quantised K/V of exactly the tokens the page lists say.
 
 use half::bf16;
 use icecache::pages::int8::{self, dequantize_row, quantize_row, row_parts};
-use icecache::pages::{PageFormat, Stores};
+use icecache::pages::{value4, PageFormat, Stores};
 use icecache::{Config, HeadForest, KeyData, Metric};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -94,10 +94,14 @@ fn keys(heads: usize, n: usize, dim: usize, seed: u64) -> Vec<f32> {
 }
 
 fn forest(k: KeyData<'_>, heads: usize, dim: usize, page_size: usize, seed: u64) -> HeadForest {
+    forest_as(k, heads, dim, page_size, seed, PageFormat::Int8)
+}
+
+fn forest_as(k: KeyData<'_>, heads: usize, dim: usize, page_size: usize, seed: u64, format: PageFormat) -> HeadForest {
     let mut cfg = Config::new(dim, Metric::InnerProduct);
     cfg.seed = Some(seed);
     cfg.promotion = vec![0.06, 0.2];
-    HeadForest::build(k, heads, cfg, page_size, PageFormat::Int8).unwrap()
+    HeadForest::build(k, heads, cfg, page_size, format).unwrap()
 }
 
 /// Every token's slot holds the codes and scale of quantising its row (`src` `[heads, len,
@@ -122,6 +126,39 @@ fn check_int8_store(f: &HeadForest, src: &[bf16], store: &[u8], pages: usize) {
                         assert_eq!((codes, scale), (&want[..], want_scale), "head {h} token {t}");
                     }
                     None => assert!(codes.iter().all(|&c| c == 0) && scale == 0.0, "empty slot {slot} of page {p}"),
+                }
+            }
+        }
+    }
+}
+
+/// Every token's slot of a 4-bit V store dequantises within half a step of its row (`src`
+/// `[heads, len, dim]`), each group's step being at most its span over 15 rounded up to
+/// bfloat16 (its minimum rounded down); empty slots dequantise to 0.
+fn check_value4_store(f: &HeadForest, src: &[bf16], store: &[u8], pages: usize) {
+    let (d, s, n) = (f.dim(), f.page_size(), f.len());
+    let pb = value4::page_bytes(s, d);
+    assert_eq!(store.len(), f.num_heads() * pages * pb);
+    let mut back = vec![0f32; d];
+    for h in 0..f.num_heads() {
+        for p in 0..f.num_pages(h).unwrap() {
+            let page = &store[(h * pages + p) * pb..(h * pages + p + 1) * pb];
+            let tokens = f.page_tokens(h, p).unwrap();
+            for slot in 0..s {
+                value4::get_row(page, slot, s, &mut back);
+                let Some(&t) = tokens.get(slot) else {
+                    assert!(back.iter().all(|&x| x == 0.0), "empty slot {slot} of page {p}");
+                    continue;
+                };
+                let row: Vec<f32> =
+                    src[(h * n + t as usize) * d..(h * n + t as usize + 1) * d].iter().map(|x| x.to_f32()).collect();
+                for (group, got) in row.chunks(value4::GROUP).zip(back.chunks(value4::GROUP)) {
+                    let lo = group.iter().cloned().fold(f32::INFINITY, f32::min);
+                    let hi = group.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    let step = (hi - lo + lo.abs() * 2f32.powi(-7)) / 15.0 * (1.0 + 2f32.powi(-6));
+                    for (x, y) in group.iter().zip(got) {
+                        assert!((x - y).abs() <= step * 0.5 + 1e-6, "head {h} token {t}: {x} vs {y} (step {step})");
+                    }
                 }
             }
         }
@@ -172,6 +209,40 @@ proptest! {
         check_int8_store(&f, &k, &ks, pages);
         check_int8_store(&f, &v, &vs, pages);
     }
+
+    /// The same with 4-bit V pages (`k8v4`): K pages as 8-bit ones, V within half a step.
+    #[test]
+    fn k8v4_write_and_insert_hold_the_quantised_tokens(seed in 0u64..1000, n in 40usize..200, page_size in 8usize..=16, d in prop::sample::select(vec![8usize, 40, 64])) {
+        let h = 2;
+        let total = n + 300;
+        let k32 = keys(h, total, d, seed);
+        let v32: Vec<f32> = k32.iter().map(|x| 0.5 - 2.0 * x).collect();
+        let (k, v) = (bf16s(&k32), bf16s(&v32));
+        let as_bits = |x: &[bf16]| -> Vec<u16> { x.iter().map(|b| b.to_bits()).collect() };
+        let mut f = forest_as(KeyData::Bf16(&head_rows(&k, h, total, d, 0, n)), h, d, page_size, seed, PageFormat::K8V4);
+        let pages = f.max_pages() + 400;
+        let (kb, vb) = (int8::page_bytes(page_size, d), value4::page_bytes(page_size, d));
+        let (mut ks, mut vs) = (vec![0xAAu8; h * pages * kb], vec![0xAAu8; h * pages * vb]);
+        let (k0, v0) = (as_bits(&head_rows(&k, h, total, d, 0, n)), as_bits(&head_rows(&v, h, total, d, 0, n)));
+        f.write_pages(&k0, &v0, Stores::K8V4(&mut ks, &mut vs)).unwrap();
+        check_value4_store(&f, &head_rows(&v, h, total, d, 0, n), &vs, pages);
+        let mut pos = n;
+        while pos < total {
+            let m = (total - pos).min(page_size);
+            let (kn, vn) = (as_bits(&head_rows(&k, h, total, d, pos, pos + m)), as_bits(&head_rows(&v, h, total, d, pos, pos + m)));
+            f.insert(&kn, &vn, Stores::K8V4(&mut ks, &mut vs)).unwrap();
+            pos += m;
+        }
+        check_int8_store(&f, &k, &ks, pages);
+        check_value4_store(&f, &v, &vs, pages);
+        // Stores of the other layout are refused.
+        prop_assert!(f.insert(&kn_of(&k, h, total, d), &kn_of(&v, h, total, d), Stores::Int8(&mut ks, &mut vs)).is_err());
+    }
+}
+
+/// One token per head (the first), as bf16 bits.
+fn kn_of(x: &[bf16], h: usize, total: usize, d: usize) -> Vec<u16> {
+    head_rows(x, h, total, d, 0, 1).iter().map(|b| b.to_bits()).collect()
 }
 
 #[test]

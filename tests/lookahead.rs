@@ -8,7 +8,7 @@ use icecache::lookahead::{
     Elem, Flush, FollowerLane, Geometry, HostBuf, Job, JobState, Lane, LaneSource, LayerBuffers, LayerJobs, LeaderLane,
     LookAhead, Outcome, Ready, Work,
 };
-use icecache::pages::{int8, PageFormat, Stores};
+use icecache::pages::{int8, value4, PageFormat, Stores};
 use icecache::{Config, HeadForest, KeyData, Metric, ResidentPages, SelectParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -181,7 +181,7 @@ fn check_rows(l: &Layer, o: &Outcome, m: &Meta, staging: &[u8]) {
 /// The regions of a staging layout follow each other in order, each as large as its entries.
 #[test]
 fn staging_regions_are_contiguous_and_sized() {
-    for format in [PageFormat::Native, PageFormat::Int8] {
+    for format in [PageFormat::Native, PageFormat::Int8, PageFormat::K8V4] {
         let g = Geometry { format, ..geometry() };
         let (batch, width, capacity) = (3, 5, 7);
         let l = g.staging_layout(batch, width, capacity);
@@ -196,7 +196,8 @@ fn staging_regions_are_contiguous_and_sized() {
         assert_eq!(l.table_len_at, l.table_at + 4 * l.table_entries, "int32 table");
         assert_eq!(l.mask_at, l.table_len_at + 4 * l.table_entries, "int32 table_len");
         assert!(l.rows_at >= l.mask_at + l.max_masks * S && l.rows_at.is_multiple_of(icecache::lookahead::ROW_ALIGN));
-        assert_eq!(l.bytes, l.rows_at + 2 * l.max_loads * g.page_bytes());
+        assert_eq!(l.bytes, l.rows_at + l.max_loads * (g.k_page_bytes() + g.v_page_bytes()));
+        assert_eq!((l.k_page_bytes, l.v_page_bytes), (g.k_page_bytes(), g.v_page_bytes()));
         assert_eq!(l.trash, lanes * capacity);
     }
 }
@@ -360,23 +361,33 @@ fn bad_jobs_fail_at_submit() {
     assert!(err.contains("staging"), "{err}");
 }
 
-/// 8-bit pages: the leader's job inserts (quantising, splits keep codes), a follower with the
-/// same keys rewrites its changed pages from its history to the same bytes, and both stage the
-/// store's int8 pages (codes and scales) of their plan.
+/// Quantised pages: the leader's job inserts (quantising, splits keep codes), a follower with
+/// the same keys rewrites its changed pages from its history to the same bytes, and both stage
+/// the store's pages (codes and scales) of their plan: int8 K and V, or int8 K and 4-bit V.
 #[test]
-fn int8_leader_and_follower_stage_quantised_pages() {
+fn quantised_leader_and_follower_stage_store_pages() {
+    for format in [PageFormat::Int8, PageFormat::K8V4] {
+        quantised_staging(format);
+    }
+}
+
+fn quantised_staging(format: PageFormat) {
     let n = 300;
-    let g = Geometry { format: PageFormat::Int8, ..geometry() };
-    let pb = int8::page_bytes(S, D);
-    assert_eq!(g.page_bytes(), pb);
+    let g = Geometry { format, ..geometry() };
+    let (kb, vb) = (int8::page_bytes(S, D), g.v_page_bytes());
+    assert_eq!(g.k_page_bytes(), kb);
     let keys = rows(H * n, 1);
     let mut cfg = Config::new(D, Metric::InnerProduct);
     cfg.seed = Some(5);
     cfg.promotion = vec![0.05, 0.2];
-    let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S, PageFormat::Int8).unwrap();
+    let f = HeadForest::build(KeyData::F32(&keys), H, cfg, S, format).unwrap();
     let p = 200;
-    let (mut ks, mut vs) = (vec![0u8; H * p * pb], vec![0u8; H * p * pb]);
-    f.write_pages(&keys, &keys, Stores::Int8(&mut ks, &mut vs)).unwrap();
+    let (mut ks, mut vs) = (vec![0u8; H * p * kb], vec![0u8; H * p * vb]);
+    let stores = match format {
+        PageFormat::Int8 => Stores::Int8(&mut ks, &mut vs),
+        _ => Stores::K8V4(&mut ks, &mut vs),
+    };
+    f.write_pages(&keys, &keys, stores).unwrap();
     let forest = Arc::new(RwLock::new(f));
     let resident = Arc::new(RwLock::new(ResidentPages::new(H, 40).unwrap()));
     let cap = n + 64;
@@ -432,10 +443,11 @@ fn int8_leader_and_follower_stage_quantised_pages() {
     let fo = worker.submit(follower_job(g, &mut fs, lane, &lead)).unwrap().wait().unwrap();
     let lo = lead.wait().unwrap();
     assert!(lo.loads > 0);
-    assert_eq!(lo.end, g.staging_layout(1, width, 40).rows_at + 2 * lo.loads * pb);
-    assert!(fk == ks && fv == vs, "the follower's 8-bit pages differ from the leader's");
+    assert_eq!(lo.end, g.staging_layout(1, width, 40).rows_at + lo.loads * (kb + vb));
+    assert!(fk == ks && fv == vs, "the follower's {format:?} pages differ from the leader's");
     assert_eq!(fs[..fo.end], ls[..lo.end], "same keys, same plan: same staging");
-    // Each staged page is a page of the store, and its rows dequantise near the tokens' keys.
+    // Each staged row is a K page of the store and the V page at the same place, and both
+    // dequantise near the tokens' keys (the values equal the keys here).
     let f = forest.read().unwrap();
     let all = [&keys[..], &rows(H * S, 77)[..]];
     let key_of = |h: usize, t: usize| -> &[f32] {
@@ -447,18 +459,31 @@ fn int8_leader_and_follower_stage_quantised_pages() {
     };
     let rows_at = g.staging_layout(1, width, 40).rows_at;
     for i in 0..lo.loads {
-        let staged = &ls[rows_at + 2 * i * pb..rows_at + (2 * i + 1) * pb];
-        assert_eq!(staged, &ls[rows_at + (2 * i + 1) * pb..rows_at + (2 * i + 2) * pb], "K = V here");
+        let row = &ls[rows_at + i * (kb + vb)..rows_at + (i + 1) * (kb + vb)];
+        let (staged_k, staged_v) = row.split_at(kb);
         let (head, page) = (0..H)
             .flat_map(|h| (0..f.num_pages(h).unwrap()).map(move |pg| (h, pg)))
-            .find(|&(h, pg)| &ks[(h * p + pg) * pb..(h * p + pg + 1) * pb] == staged)
-            .expect("a staged page is a page of the store");
+            .find(|&(h, pg)| &ks[(h * p + pg) * kb..(h * p + pg + 1) * kb] == staged_k)
+            .expect("a staged K page is a page of the store");
+        assert_eq!(staged_v, &vs[(head * p + page) * vb..(head * p + page + 1) * vb], "V page of the same place");
         for (slot, &t) in f.page_tokens(head, page).unwrap().iter().enumerate() {
-            let (codes, scale) = int8::row_parts(staged, slot, S, D);
+            let key = key_of(head, t as usize);
+            let (codes, scale) = int8::row_parts(staged_k, slot, S, D);
             let mut back = vec![0f32; D];
             int8::dequantize_row(codes, scale, &mut back);
-            for (x, y) in key_of(head, t as usize).iter().zip(&back) {
+            for (x, y) in key.iter().zip(&back) {
                 assert!((x - y).abs() <= scale * 0.5001, "token {t}: {x} vs {y} (scale {scale})");
+            }
+            if format == PageFormat::K8V4 {
+                value4::get_row(staged_v, slot, S, &mut back);
+                // 15 steps span each group of 32 values; a code is off by at most half a step.
+                for (c, (x, y)) in key.chunks(value4::GROUP).zip(back.chunks(value4::GROUP)).flat_map(|(kc, bc)| {
+                    let span =
+                        kc.iter().cloned().fold(f32::MIN, f32::max) - kc.iter().cloned().fold(f32::MAX, f32::min);
+                    kc.iter().zip(bc).map(move |p| (span, p))
+                }) {
+                    assert!((x - y).abs() <= c / 15.0 * 0.5 + 0.02 * c + 1e-6, "token {t}: {x} vs {y} (span {c})");
+                }
             }
         }
     }

@@ -230,7 +230,7 @@ class HeadForest:
     Trees are built in parallel (one per head), without the GIL.
 
     Each key is kept once, as the int8 row of its page (``max |x| / 127`` scale per row, the
-    rows 8-bit stores hold): with ``page_format="int8"`` in the caller's K store, which
+    rows 8-bit stores hold): with ``page_format="int8"`` or ``"k8v4"`` in the caller's K store, which
     ``select``, ``calibrate`` and ``insert`` then read (pass it as ``k_store``), otherwise in
     the forest itself (``nbytes`` counts it). Selection scores keys from these rows. The build's
     float32 keys are not kept.
@@ -240,7 +240,8 @@ class HeadForest:
 
     Args:
         page_size: tokens per page (8..=64).
-        page_format: the page stores' format, ``"native"`` (the tokens' dtype) or ``"int8"``.
+        page_format: the page stores' format, ``"native"`` (the tokens' dtype), ``"int8"`` or
+            ``"k8v4"`` (see :meth:`write_pages`).
         seed, threads, num_simple, num_composite: as for ``DCIIndex``; head ``h`` uses
             ``seed + h``.
         effort: the query effort (a number; ``"auto"`` is ``DCIIndex``'s only).
@@ -269,7 +270,7 @@ class HeadForest:
     def page_size(self) -> int: ...
     @property
     def page_format(self) -> str:
-        """The page stores' format: ``"native"`` or ``"int8"``."""
+        """The page stores' format: ``"native"``, ``"int8"`` or ``"k8v4"``."""
     def __len__(self) -> int:
         """Tokens per head."""
     def num_pages(self, head: int) -> int:
@@ -297,6 +298,13 @@ class HeadForest:
         finite (``ValueError``). The K store written is where the forest reads its keys from
         afterwards.
 
+        ``page_format="k8v4"``: the K store as for ``"int8"``; the V store uint8 ``[H_kv, P,
+        codes + page_size * ceil(d / 32) * 4]`` with ``codes = page_size * ceil(d / 2)`` rounded
+        up to even: each row's 4-bit codes, two a byte (value ``2j`` in the low nibble of byte
+        ``j``), then per row and group of 32 values a bfloat16 ``step`` and ``minimum`` (native
+        byte order). A value is ``minimum + code * step`` within ``step / 2``; ``minimum`` is
+        the group's, rounded down, ``step`` its span over 15, rounded up.
+
         ``k_src`` must be the keys the forest was built on (plus those ``insert`` added), in the
         same dtype, and finite: other keys or NaN/inf are a ``ValueError`` and nothing is
         written. One exception: once the forest's own keys were written, a layer that reuses its
@@ -322,7 +330,7 @@ class HeadForest:
         (each query head's softmax with ``scale``, default ``1/sqrt(d)``, over the keys its search
         scores, summed over the group); the rest is -1. Keys are scored from their int8 rows
         against the int8 query; ``exact`` scores every key instead of searching. ``k_store``: the
-        8-bit K store the forest's keys live in (``page_format="int8"``; ``None`` otherwise): the
+        8-bit K store the forest's keys live in (``page_format="int8"`` or ``"k8v4"``; ``None`` otherwise): the
         one ``write_pages`` wrote them to, or a copy of it (``ValueError`` otherwise).
         ``effort``: the search effort of every head; ``None``: each head's own (``efforts``, as
         ``calibrate`` set them). ``successors``: the weight of each query head's ``successors``
@@ -431,9 +439,9 @@ class StagingLayout:
       each selected page in the host's rank order (-1 past the head's count);
     - from ``table_len_at``: int32 ``table_len [table_entries]``, the valid tokens of each;
     - from ``mask_at``: ``[max_masks, page_size]`` bytes, 1 where the slot holds a token;
-    - from ``rows_at``: each loaded page's K then V, as the stores hold them: ``[max_loads, 2,
-      page_size, d]`` elements, or with ``page_format="int8"`` ``[max_loads, 2, page_size * (d +
-      4)]`` bytes (each page's int8 codes, then its float32 row scales).
+    - from ``rows_at``: each loaded page's K then V, as the stores hold them: ``[max_loads,
+      k_page_bytes + v_page_bytes]`` bytes (``[max_loads, 2, page_size, d]`` elements with
+      ``page_format="native"``; see :meth:`HeadForest.write_pages` for the quantised pages).
 
     Offsets are in bytes, entries in native byte order; ``mask_idx_at == 8 * max_loads`` and each
     region ends where the next begins, up to ``mask_at`` (``rows_at`` is aligned to 64 bytes).
@@ -450,6 +458,9 @@ class StagingLayout:
     table_len_at: int
     mask_at: int
     rows_at: int
+    #: Bytes of one K page and of one V page in the stores and in staging.
+    k_page_bytes: int
+    v_page_bytes: int
     bytes: int
 
 @final
@@ -494,9 +505,9 @@ class LookAheadLayer:
             ``calibrate`` set them).
         refresh: queued jobs select anew every ``refresh`` jobs, and whenever tokens were
             flushed; the others only insert (jobs run now always select).
-        page_format: ``"native"``: the stores hold the flushed tokens' dtype; ``"int8"``: uint8
-            8-bit stores (see :meth:`HeadForest.write_pages`), which inserts and a follower's
-            rewrites quantise (values must be finite).
+        page_format: ``"native"``: the stores hold the flushed tokens' dtype; ``"int8"`` or
+            ``"k8v4"``: uint8 quantised stores (see :meth:`HeadForest.write_pages`), which inserts
+            and a follower's rewrites quantise (values must be finite).
     """
 
     def __new__(
@@ -530,8 +541,8 @@ class LookAheadLayer:
         k_history: Optional[npt.NDArray[Any]] = None,
         v_history: Optional[npt.NDArray[Any]] = None,
     ) -> None:
-        """Lends sequence ``b``'s page stores ``[kv_heads, P, page_size, d]`` (``page_format="int8"``:
-        uint8 ``[kv_heads, P, page_size * (d + 4)]``), and its index
+        """Lends sequence ``b``'s page stores ``[kv_heads, P, page_size, d]`` (quantised formats:
+        uint8 ``[kv_heads, P, page bytes]``, see :meth:`HeadForest.write_pages`), and its index
         (``forest``, ``None`` while nothing is offloaded, and ``resident``; leading layers) or its
         histories ``[kv_heads, n, d]`` (layers with a leader). Call again after reallocating any
         of them; not while a job runs (``RuntimeError``)."""

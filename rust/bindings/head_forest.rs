@@ -15,7 +15,8 @@ use crate::select::SelectParams;
 /// K and V page stores borrowed writable from NumPy, in a forest's page format.
 enum StoreArrays<'py, T: numpy::Element> {
     Native(PyReadwriteArrayDyn<'py, T>, PyReadwriteArrayDyn<'py, T>),
-    Int8(PyReadwriteArrayDyn<'py, u8>, PyReadwriteArrayDyn<'py, u8>),
+    /// Quantised stores (`Int8` or `K8V4`), as bytes.
+    Bytes(PyReadwriteArrayDyn<'py, u8>, PyReadwriteArrayDyn<'py, u8>, PageFormat),
 }
 
 impl<T: numpy::Element> StoreArrays<'_, T> {
@@ -23,7 +24,8 @@ impl<T: numpy::Element> StoreArrays<'_, T> {
     fn slices(&mut self) -> PyResult<Stores<'_, T>> {
         Ok(match self {
             StoreArrays::Native(k, v) => Stores::Native(k.as_slice_mut()?, v.as_slice_mut()?),
-            StoreArrays::Int8(k, v) => Stores::Int8(k.as_slice_mut()?, v.as_slice_mut()?),
+            StoreArrays::Bytes(k, v, PageFormat::K8V4) => Stores::K8V4(k.as_slice_mut()?, v.as_slice_mut()?),
+            StoreArrays::Bytes(k, v, _) => Stores::Int8(k.as_slice_mut()?, v.as_slice_mut()?),
         })
     }
 }
@@ -47,22 +49,25 @@ impl PyHeadForest {
     }
 
     /// The K and V page stores, borrowed writable and checked against this forest's shape:
-    /// `[H_kv, P, page_size, d]` of the tokens' element `T`, or for 8-bit stores (`int8`, see
-    /// `int8_stores`) `[H_kv, P, int8_page_bytes]` uint8.
+    /// `[H_kv, P, page_size, d]` of the tokens' element `T`, or for quantised stores (`bytes`,
+    /// see `byte_stores`) `[H_kv, P, page bytes]` uint8 (the format's K and V page bytes).
     fn borrow_stores<'py, T: numpy::Element>(
         &self,
-        int8: bool,
+        bytes: bool,
         k_store: &Bound<'py, PyAny>,
         v_store: &Bound<'py, PyAny>,
     ) -> PyResult<StoreArrays<'py, T>> {
         let (h, s, d) = (Some(self.num_heads), Some(self.page_size), Some(self.dim));
-        if int8 {
+        if bytes {
             let (k, kshape) = rw::<u8>(k_store, "k_store")?;
             let (v, vshape) = rw::<u8>(v_store, "v_store")?;
-            let want = [h, None, Some(int8::page_bytes(self.page_size, self.dim))];
-            check_shape("k_store", &kshape, &want)?;
-            check_shape("v_store", &vshape, &want)?;
-            return Ok(StoreArrays::Int8(k, v));
+            let (kb, vb) = (
+                self.format.k_page_bytes(self.page_size, self.dim, 1),
+                self.format.v_page_bytes(self.page_size, self.dim, 1),
+            );
+            check_shape("k_store", &kshape, &[h, None, Some(kb)])?;
+            check_shape("v_store", &vshape, &[h, None, Some(vb)])?;
+            return Ok(StoreArrays::Bytes(k, v, self.format));
         }
         let (k, kshape) = rw::<T>(k_store, "k_store")?;
         let (v, vshape) = rw::<T>(v_store, "v_store")?;
@@ -71,21 +76,21 @@ impl PyHeadForest {
         Ok(StoreArrays::Native(k, v))
     }
 
-    /// Whether this forest's stores are 8-bit, after checking that `k_store` is of that kind
-    /// (uint8 for 8-bit stores, the tokens' dtype otherwise).
-    fn int8_stores(&self, k_store: &Bound<'_, PyAny>) -> PyResult<bool> {
+    /// Whether this forest's stores are quantised (bytes), after checking that `k_store` is of
+    /// that kind (uint8 for quantised stores, the tokens' dtype otherwise).
+    fn byte_stores(&self, k_store: &Bound<'_, PyAny>) -> PyResult<bool> {
         let a = super::arrays::numpy_of(k_store)?;
         let uint8 = a.dtype().is_equiv_to(&numpy::dtype::<u8>(a.py()));
-        let int8 = self.format == PageFormat::Int8;
-        if uint8 != int8 {
+        let bytes = self.format.k_is_int8();
+        if uint8 != bytes {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "this forest was built with page_format={:?}: its stores are {}, not {}",
                 self.format.name(),
-                if int8 { "uint8" } else { "in the tokens' dtype" },
+                if bytes { "uint8" } else { "in the tokens' dtype" },
                 a.dtype()
             )));
         }
-        Ok(int8)
+        Ok(bytes)
     }
 
     /// An 8-bit K store: `[H_kv, P, int8_page_bytes]` uint8.
@@ -245,9 +250,9 @@ impl PyHeadForest {
                 let (h, d) = (self.num_heads, self.dim);
                 let n = forest.len();
                 let pool = self.pool();
-                let int8 = self.int8_stores(k_store)?;
+                let bytes = self.byte_stores(k_store)?;
                 with_elem!(k_src, "k_src", |T| {
-                    let mut stores = self.borrow_stores::<T>(int8, k_store, v_store)?;
+                    let mut stores = self.borrow_stores::<T>(bytes, k_store, v_store)?;
                     let (kr, krs) = ro::<T>(k_src, "k_src")?;
                     let (vr, vrs) = ro::<T>(v_src, "v_src")?;
                     check_shape("k_src", &krs, &[Some(h), Some(n), Some(d)])?;
@@ -355,9 +360,9 @@ impl PyHeadForest {
             let changed = self.inner.with_write(py, |py, forest| {
                 let [keys, values, k_store, v_store] = arrays.each_ref().map(|a| a.bind(py));
                 let (h, d) = (self.num_heads, self.dim);
-                let int8 = self.int8_stores(k_store)?;
+                let bytes = self.byte_stores(k_store)?;
                 with_elem!(keys, "keys", |T| {
-                    let mut stores = self.borrow_stores::<T>(int8, k_store, v_store)?;
+                    let mut stores = self.borrow_stores::<T>(bytes, k_store, v_store)?;
                     let (kr, krs) = ro::<T>(keys, "keys")?;
                     let (vr, vrs) = ro::<T>(values, "values")?;
                     check_shape("keys", &krs, &[Some(h), None, Some(d)])?;

@@ -143,6 +143,8 @@ pub struct PyStagingLayout {
     table_len_at: usize,
     mask_at: usize,
     rows_at: usize,
+    k_page_bytes: usize,
+    v_page_bytes: usize,
     bytes: usize,
 }
 
@@ -159,6 +161,8 @@ impl From<StagingLayout> for PyStagingLayout {
             table_len_at: l.table_len_at,
             mask_at: l.mask_at,
             rows_at: l.rows_at,
+            k_page_bytes: l.k_page_bytes,
+            v_page_bytes: l.v_page_bytes,
             bytes: l.bytes,
         }
     }
@@ -277,22 +281,22 @@ impl PyLookAheadLayer {
                         return Err(PyValueError::new_err("the stores must have the flushed tokens' dtype"));
                     }
                 }
-                PageFormat::Int8 => {
-                    let pb = g.page_bytes();
+                PageFormat::Int8 | PageFormat::K8V4 => {
+                    let (kb, vb) = (g.k_page_bytes(), g.v_page_bytes());
                     let bytes = |a: &Bound<'_, PyAny>| -> PyResult<bool> {
                         let a = numpy_of(a)?;
                         Ok(a.dtype().is_equiv_to(&numpy::dtype::<u8>(a.py())))
                     };
                     if ks.len() != 3
                         || ks[0] != g.heads
-                        || ks[2] != pb
-                        || vs != ks
+                        || ks[2] != kb
+                        || vs != [g.heads, ks[1], vb]
                         || !bytes(k_store)?
                         || !bytes(v_store)?
                     {
                         return Err(shape_err(
-                            "k_store and v_store (8-bit pages)",
-                            &format!("uint8 [{}, P, {pb}]", g.heads),
+                            "k_store and v_store (quantised pages)",
+                            &format!("uint8 [{}, P, {kb}] and [{}, P, {vb}]", g.heads, g.heads),
                             &ks,
                         ));
                     }
@@ -394,8 +398,15 @@ impl PyLookAheadLayer {
             if itemsize != 2 && itemsize != 4 {
                 return Err(PyValueError::new_err(format!("itemsize must be 2 or 4, got {itemsize}")));
             }
-            let page_bytes = format.page_bytes(page_size, dim, itemsize);
-            let shape = StagingShape { batch, heads: kv_heads, width: max_pages, capacity, page_size, page_bytes };
+            let shape = StagingShape {
+                batch,
+                heads: kv_heads,
+                width: max_pages,
+                capacity,
+                page_size,
+                k_page_bytes: format.k_page_bytes(page_size, dim, itemsize),
+                v_page_bytes: format.v_page_bytes(page_size, dim, itemsize),
+            };
             Ok(PyStagingLayout::from(StagingLayout::new(&shape)))
         })
     }

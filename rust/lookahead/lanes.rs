@@ -81,7 +81,7 @@ pub(super) fn leader_lane(
         // An 8-bit forest's keys are its K store's rows.
         let k_codes = match g.format {
             PageFormat::Native => None,
-            PageFormat::Int8 => Some(lane.k_store.slice::<u8>("k_store")?),
+            PageFormat::Int8 | PageFormat::K8V4 => Some(lane.k_store.slice::<u8>("k_store")?),
         };
         forest.select(q, select, k_codes)?
     };
@@ -122,6 +122,7 @@ fn stores_of<'a, T: pages::Elem>(g: &Geometry, k_store: &'a HostBuf, v_store: &'
     Ok(match g.format {
         PageFormat::Native => Stores::Native(k_store.slice_mut::<T>("k_store")?, v_store.slice_mut::<T>("v_store")?),
         PageFormat::Int8 => Stores::Int8(k_store.slice_mut::<u8>("k_store")?, v_store.slice_mut::<u8>("v_store")?),
+        PageFormat::K8V4 => Stores::K8V4(k_store.slice_mut::<u8>("k_store")?, v_store.slice_mut::<u8>("v_store")?),
     })
 }
 
@@ -205,13 +206,7 @@ fn follow_lane_as<T: pages::Elem>(g: &Geometry, lane: &FollowerLane, lead: &Lane
             hv[dst..dst + f.tokens * d].copy_from_slice(&v[src..src + f.tokens * d]);
         }
     }
-    let pb = g.page_bytes();
-    ensure!(
-        lane.k_store.len() == lane.v_store.len() && lane.k_store.len().is_multiple_of(g.heads * pb),
-        "stores must both be [{}, P] pages of {pb} bytes",
-        g.heads
-    );
-    let p = lane.k_store.len() / (g.heads * pb);
+    let p = super::staging::store_pages(g, lane.k_store.len(), lane.v_store.len())?;
     let mut stores = stores_of::<T>(g, &lane.k_store, &lane.v_store)?;
     for (head, pages) in lead.changed.iter().enumerate() {
         for (page, tokens) in pages {

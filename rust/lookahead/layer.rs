@@ -47,7 +47,7 @@ pub enum LaneSource {
 /// One sequence's buffers.
 #[derive(Clone)]
 pub struct Lane {
-    /// Page stores, `[H_kv, P]` pages of `Geometry::page_bytes`.
+    /// Page stores, `[H_kv, P]` pages of `Geometry::k_page_bytes` (K) and `v_page_bytes` (V).
     pub k_store: HostBuf,
     pub v_store: HostBuf,
     pub source: LaneSource,

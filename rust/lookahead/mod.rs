@@ -79,9 +79,14 @@ pub struct Geometry {
 }
 
 impl Geometry {
-    /// Bytes of one page of K (or V) in the stores and in staging.
-    pub fn page_bytes(&self) -> usize {
-        self.format.page_bytes(self.page_size, self.dim, self.elem.size())
+    /// Bytes of one K page in the stores and in staging.
+    pub fn k_page_bytes(&self) -> usize {
+        self.format.k_page_bytes(self.page_size, self.dim, self.elem.size())
+    }
+
+    /// Bytes of one V page in the stores and in staging.
+    pub fn v_page_bytes(&self) -> usize {
+        self.format.v_page_bytes(self.page_size, self.dim, self.elem.size())
     }
 
     /// The staging layout of a job of `batch` sequences, `width` pages per (sequence, KV
@@ -93,7 +98,8 @@ impl Geometry {
             width,
             capacity,
             page_size: self.page_size,
-            page_bytes: self.page_bytes(),
+            k_page_bytes: self.k_page_bytes(),
+            v_page_bytes: self.v_page_bytes(),
         })
     }
 }
@@ -112,7 +118,7 @@ pub struct LeaderLane {
     /// nothing to select, and nothing may be flushed into it.
     pub forest: Option<Arc<RwLock<HeadForest>>>,
     pub resident: Arc<RwLock<ResidentPages>>,
-    /// Page stores, `[H_kv, P]` pages of `Geometry::page_bytes`.
+    /// Page stores, `[H_kv, P]` pages of `Geometry::k_page_bytes` (K) and `v_page_bytes` (V).
     pub k_store: HostBuf,
     pub v_store: HostBuf,
     pub flush: Option<Flush>,

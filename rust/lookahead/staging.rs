@@ -10,9 +10,10 @@
 //!   selected page in rank order (-1 past the head's count);
 //! - `table_len_at`: int32 `table_len [table_entries]`, the valid tokens of each;
 //! - `mask_at`: `[max_masks, page_size]` bytes, 1 where the slot holds a token;
-//! - `rows_at` (aligned to [`ROW_ALIGN`]): `[loads, 2, page_bytes]`, each loaded page's K then V
-//!   page as the stores hold it (`[page_size, d]` elements, or int8 codes and scales:
-//!   `pages::int8`), up to the job's `end` (the used prefix of the buffer).
+//! - `rows_at` (aligned to [`ROW_ALIGN`]): `[loads, k_page_bytes + v_page_bytes]`, each loaded
+//!   page's K then V page as the stores hold it (`[page_size, d]` elements, int8 codes and
+//!   scales: `pages::int8`, or 4-bit V: `pages::value4`), up to the job's `end` (the used
+//!   prefix of the buffer).
 
 use rayon::prelude::*;
 
@@ -33,8 +34,16 @@ pub struct StagingShape {
     /// Device page slots per (sequence, KV head).
     pub capacity: usize,
     pub page_size: usize,
-    /// Bytes of one page of K (or V) as the stores hold it (`PageFormat::page_bytes`).
-    pub page_bytes: usize,
+    /// Bytes of one K page and of one V page as the stores hold them (`PageFormat`).
+    pub k_page_bytes: usize,
+    pub v_page_bytes: usize,
+}
+
+impl StagingShape {
+    /// Bytes of one loaded page's K and V in staging.
+    pub fn row_bytes(&self) -> usize {
+        self.k_page_bytes + self.v_page_bytes
+    }
 }
 
 /// The fixed layout of a layer's staging buffer (see the module docs): every region has room
@@ -57,6 +66,9 @@ pub struct StagingLayout {
     pub table_len_at: usize,
     pub mask_at: usize,
     pub rows_at: usize,
+    /// Bytes of a loaded page's K and V in the rows (`StagingShape`).
+    pub k_page_bytes: usize,
+    pub v_page_bytes: usize,
     /// Bytes of the whole buffer.
     pub bytes: usize,
 }
@@ -70,7 +82,7 @@ impl StagingLayout {
         let table_len_at = table_at + 4 * table_entries;
         let mask_at = table_len_at + 4 * table_entries;
         let rows_at = (mask_at + max_masks * s.page_size).div_ceil(ROW_ALIGN) * ROW_ALIGN;
-        let bytes = rows_at + 2 * max_loads * s.page_bytes;
+        let bytes = rows_at + max_loads * s.row_bytes();
         StagingLayout {
             max_loads,
             max_masks,
@@ -82,9 +94,23 @@ impl StagingLayout {
             table_len_at,
             mask_at,
             rows_at,
+            k_page_bytes: s.k_page_bytes,
+            v_page_bytes: s.v_page_bytes,
             bytes,
         }
     }
+}
+
+/// Pages per head of a lane's K and V stores of `k_len` and `v_len` bytes (`[H_kv, P]` pages
+/// each, the same `P`).
+pub(super) fn store_pages(g: &Geometry, k_len: usize, v_len: usize) -> Result<usize> {
+    let (h, kb, vb) = (g.heads, g.k_page_bytes(), g.v_page_bytes());
+    let p = k_len / (h * kb);
+    ensure!(
+        k_len == p * h * kb && v_len == p * h * vb,
+        "stores must be [{h}, P] pages of {kb} (K) and {vb} (V) bytes, got {k_len} and {v_len} bytes"
+    );
+    Ok(p)
 }
 
 /// What [`write_staging`] wrote.
@@ -112,8 +138,8 @@ pub(super) fn write_staging(
     let (n, c) = (lanes.iter().map(|l| l.plan.pages.len()).sum(), lanes.iter().map(|l| l.plan.cleared.len()).sum());
     ensure!(n <= layout.max_loads && n + c <= layout.max_masks, "a job planned more loads than its layout holds");
     let selected = lanes.iter().map(|l| l.plan.table.iter().filter(|&&x| x >= 0).count()).sum();
-    let pb = g.page_bytes();
-    let end = layout.rows_at + 2 * n * pb;
+    let (kb, vb) = (g.k_page_bytes(), g.v_page_bytes());
+    let end = layout.rows_at + n * (kb + vb);
     let buf = staging.slice_mut::<u8>("staging")?;
     ensure!(layout.bytes <= buf.len(), "staging holds {} bytes, this layer's jobs need {}", buf.len(), layout.bytes);
     let (meta, rows) = buf.split_at_mut(layout.rows_at);
@@ -144,17 +170,16 @@ pub(super) fn write_staging(
     let mut sources = Vec::with_capacity(n);
     for (l, (ks, vs)) in lanes.iter().zip(stores) {
         let (ks, vs) = (ks.slice::<u8>("k_store")?, vs.slice::<u8>("v_store")?);
-        ensure!(ks.len() == vs.len() && ks.len() % (h * pb) == 0, "stores must be [{h}, P] pages of {pb} bytes");
-        let p = ks.len() / (h * pb);
+        let p = store_pages(g, ks.len(), vs.len())?;
         for (&hd, &pg) in l.plan.heads.iter().zip(&l.plan.pages) {
             ensure!((pg as usize) < p, "page {pg} out of range (stores hold {p})");
-            let at = (hd as usize * p + pg as usize) * pb;
-            sources.push((&ks[at..at + pb], &vs[at..at + pb]));
+            let (k_at, v_at) = ((hd as usize * p + pg as usize) * kb, (hd as usize * p + pg as usize) * vb);
+            sources.push((&ks[k_at..k_at + kb], &vs[v_at..v_at + vb]));
         }
     }
-    rows[..2 * n * pb].par_chunks_mut(2 * pb).zip(sources).for_each(|(row, (k, v))| {
-        row[..pb].copy_from_slice(k);
-        row[pb..].copy_from_slice(v);
+    rows[..n * (kb + vb)].par_chunks_mut(kb + vb).zip(sources).for_each(|(row, (k, v))| {
+        row[..kb].copy_from_slice(k);
+        row[kb..].copy_from_slice(v);
     });
     Ok(Staged { loads: n, clears: c, selected, end })
 }

@@ -109,8 +109,11 @@ fn rows_in<'a>(own: Option<&'a [u8]>, store: Option<&'a [u8]>, page_size: usize,
 }
 
 /// `rows_in` for a head being changed (its own rows taken out of it meanwhile).
-fn store_codes<'a, T: Elem, F: Format<T>>(own: &'a Option<Vec<u8>>, store: &'a Store<'_, T, F>) -> PageCodes<'a> {
-    rows_in(own.as_deref(), F::codes(store.k), store.s, store.d)
+fn store_codes<'a, T: Elem, K: Format<T>, V: Format<T>>(
+    own: &'a Option<Vec<u8>>,
+    store: &'a Store<'_, T, K, V>,
+) -> PageCodes<'a> {
+    rows_in(own.as_deref(), K::codes(store.k), store.s, store.d)
 }
 
 /// `sqrt(1 - |k|² / c²)`, the coordinate that lifts a key onto the unit sphere.
@@ -475,12 +478,12 @@ impl HeadPages {
     /// `changed`. A new key opens a cell of its own with the build's first promotion ratio;
     /// otherwise it joins the nearest page with room of its cell (by centroid), or, when they
     /// are full, the nearest page splits in two with it.
-    pub fn insert<T: Elem, F: Format<T>>(
+    pub fn insert<T: Elem, K: Format<T>, V: Format<T>>(
         &mut self,
         pos: u32,
         key: &[f32],
         kv: (&[T], &[T]),
-        store: &mut Store<'_, T, F>,
+        store: &mut Store<'_, T, K, V>,
         s: &mut Scratch,
         changed: &mut Vec<u32>,
     ) -> Result<()> {
@@ -509,13 +512,13 @@ impl HeadPages {
 
     /// `insert`'s page work: token `pos` into a page of `cell`; returns the page.
     #[allow(clippy::too_many_arguments)]
-    fn place<T: Elem, F: Format<T>>(
+    fn place<T: Elem, K: Format<T>, V: Format<T>>(
         &mut self,
         cell: u32,
         pos: u32,
         key: &[f32],
         kv: (&[T], &[T]),
-        store: &mut Store<'_, T, F>,
+        store: &mut Store<'_, T, K, V>,
         own: &mut Option<Vec<u8>>,
         changed: &mut Vec<u32>,
     ) -> Result<u32> {
@@ -533,13 +536,13 @@ impl HeadPages {
                 *best = Some((dist, p));
             }
         }
-        let write = |store: &mut Store<'_, T, F>, own: &mut Option<Vec<u8>>, page: u32, slot: usize| {
+        let write = |store: &mut Store<'_, T, K, V>, own: &mut Option<Vec<u8>>, page: u32, slot: usize| {
             store.write(page, slot as u32, kv.0, kv.1);
             if let Some(own) = own {
                 int8::put_row(&mut own[page as usize * pb..(page as usize + 1) * pb], slot, key, ps);
             }
         };
-        let new_page = |this: &mut Self, store: &mut Store<'_, T, F>, own: &mut Option<Vec<u8>>| {
+        let new_page = |this: &mut Self, store: &mut Store<'_, T, K, V>, own: &mut Option<Vec<u8>>| {
             let page = this.new_page(cell);
             store.clear_page(page);
             if let Some(own) = own {
@@ -771,7 +774,7 @@ mod tests {
         let cells = hp.cells.len();
         let pages = hp.num_pages() + m + 1;
         let (mut ks, mut vs) = (vec![0f32; pages * s * d], vec![0f32; pages * s * d]);
-        let mut store = Store::<f32, Native> { k: &mut ks, v: &mut vs, d, s, kind: std::marker::PhantomData };
+        let mut store = Store::<f32, Native, Native> { k: &mut ks, v: &mut vs, d, s, kind: std::marker::PhantomData };
         let (mut scratch, mut changed) = (Scratch::default(), Vec::new());
         for t in n..n + m {
             let key = &all[t * d..(t + 1) * d];

@@ -4,13 +4,15 @@
 //! CPU KV store, and each key is kept once, as its page's int8 K row ([`head`]).
 //!
 //! Page stores are `[H_kv, P, page_size, d]` arrays (K and V apart) in the tokens' element type,
-//! or, for 8-bit pages, `[H_kv, P, int8::page_bytes(page_size, d)]` bytes (see [`int8`]); owned
-//! by the caller, this module writes them but never allocates them.
+//! or, for 8-bit pages, `[H_kv, P, int8::page_bytes(page_size, d)]` bytes (see [`int8`]), or 8-bit
+//! K pages beside 4-bit V pages (`[H_kv, P, value4::page_bytes(page_size, d)]` bytes, see
+//! [`value4`]); owned by the caller, this module writes them but never allocates them.
 
 mod fingerprint;
 mod head;
 pub mod int8;
 mod split;
+pub mod value4;
 
 use std::ops::RangeInclusive;
 use std::sync::{Mutex, MutexGuard};
@@ -91,6 +93,9 @@ pub enum PageFormat {
     Native,
     /// int8 codes and an f32 scale per row: `[H_kv, P, int8::page_bytes(page_size, d)]` bytes.
     Int8,
+    /// K as in `Int8`; V as 4-bit codes in groups with a step and minimum each:
+    /// `[H_kv, P, value4::page_bytes(page_size, d)]` bytes.
+    K8V4,
 }
 
 impl PageFormat {
@@ -99,7 +104,10 @@ impl PageFormat {
         match s {
             "native" => Ok(PageFormat::Native),
             "int8" => Ok(PageFormat::Int8),
-            other => Err(Error::Invalid(format!("page_format must be \"native\" or \"int8\", not {other:?}"))),
+            "k8v4" => Ok(PageFormat::K8V4),
+            other => {
+                Err(Error::Invalid(format!("page_format must be \"native\", \"int8\" or \"k8v4\", not {other:?}")))
+            }
         }
     }
 
@@ -107,15 +115,29 @@ impl PageFormat {
         match self {
             PageFormat::Native => "native",
             PageFormat::Int8 => "int8",
+            PageFormat::K8V4 => "k8v4",
         }
     }
 
-    /// Bytes of one page of `page_size` rows of `dim` elements of `elem_size` bytes.
-    pub fn page_bytes(self, page_size: usize, dim: usize, elem_size: usize) -> usize {
+    /// Bytes of one K page of `page_size` rows of `dim` elements of `elem_size` bytes.
+    pub fn k_page_bytes(self, page_size: usize, dim: usize, elem_size: usize) -> usize {
         match self {
             PageFormat::Native => page_size * dim * elem_size,
-            PageFormat::Int8 => int8::page_bytes(page_size, dim),
+            PageFormat::Int8 | PageFormat::K8V4 => int8::page_bytes(page_size, dim),
         }
+    }
+
+    /// Bytes of one V page (as `k_page_bytes`).
+    pub fn v_page_bytes(self, page_size: usize, dim: usize, elem_size: usize) -> usize {
+        match self {
+            PageFormat::K8V4 => value4::page_bytes(page_size, dim),
+            other => other.k_page_bytes(page_size, dim, elem_size),
+        }
+    }
+
+    /// Whether the K store holds the keys' int8 rows (the index reads them there).
+    pub fn k_is_int8(self) -> bool {
+        self != PageFormat::Native
     }
 }
 
@@ -125,6 +147,8 @@ pub enum Stores<'a, T> {
     Native(&'a mut [T], &'a mut [T]),
     /// `[H_kv, P, int8::page_bytes(page_size, d)]` bytes.
     Int8(&'a mut [u8], &'a mut [u8]),
+    /// K as in `Int8`; V `[H_kv, P, value4::page_bytes(page_size, d)]` bytes.
+    K8V4(&'a mut [u8], &'a mut [u8]),
 }
 
 impl<T: Elem> Stores<'_, T> {
@@ -132,6 +156,7 @@ impl<T: Elem> Stores<'_, T> {
         match self {
             Stores::Native(..) => PageFormat::Native,
             Stores::Int8(..) => PageFormat::Int8,
+            Stores::K8V4(..) => PageFormat::K8V4,
         }
     }
 
@@ -139,33 +164,34 @@ impl<T: Elem> Stores<'_, T> {
     /// from `rows`, the K and V rows of its tokens in slot order; the slots past them are
     /// zeroed. 8-bit stores quantise the rows, which must be finite.
     pub fn rewrite_page(&mut self, at: usize, rows: &[(&[T], &[T])], page_size: usize, dim: usize) -> Result<()> {
-        fn rewrite<T: Elem, F: Format<T>>(
-            k: &mut [F::Cell],
-            v: &mut [F::Cell],
+        fn rewrite<T: Elem, K: Format<T>, V: Format<T>>(
+            k: &mut [K::Cell],
+            v: &mut [V::Cell],
             at: usize,
             rows: &[(&[T], &[T])],
             (s, d): (usize, usize),
         ) -> Result<()> {
-            let pl = F::page_len(s, d);
-            ensure!(k.len() == v.len() && (at + 1) * pl <= k.len(), "page {at} beyond the stores");
+            let (kl, vl) = (K::page_len(s, d), V::page_len(s, d));
+            ensure!(k.len() / kl == v.len() / vl && (at + 1) * kl <= k.len(), "page {at} beyond the stores");
             ensure!(rows.len() <= s, "a page holds at most {s} tokens, not {}", rows.len());
-            let (kp, vp) = (&mut k[at * pl..(at + 1) * pl], &mut v[at * pl..(at + 1) * pl]);
-            F::clear_from(kp, 0, s, d);
-            F::clear_from(vp, 0, s, d);
+            ensure!(rows.iter().all(|(kr, vr)| kr.len() == d && vr.len() == d), "rows must have {d} elements");
+            if K::FINITE {
+                let finite = rows.iter().all(|(kr, vr)| kr.iter().chain(*vr).all(|x| x.to_f32().is_finite()));
+                ensure!(finite, "quantised pages hold finite values only");
+            }
+            let (kp, vp) = (&mut k[at * kl..(at + 1) * kl], &mut v[at * vl..(at + 1) * vl]);
+            K::clear_from(kp, 0, s, d);
+            V::clear_from(vp, 0, s, d);
             for (slot, (kr, vr)) in rows.iter().enumerate() {
-                ensure!(kr.len() == d && vr.len() == d, "rows must have {d} elements");
-                for (page, row) in [(&mut *kp, kr), (&mut *vp, vr)] {
-                    if F::FINITE {
-                        ensure!(row.iter().all(|x| x.to_f32().is_finite()), "8-bit pages hold finite values only");
-                    }
-                    F::put(page, slot, row, s);
-                }
+                K::put(kp, slot, kr, s);
+                V::put(vp, slot, vr, s);
             }
             Ok(())
         }
         match self {
-            Stores::Native(k, v) => rewrite::<T, Native>(k, v, at, rows, (page_size, dim)),
-            Stores::Int8(k, v) => rewrite::<T, Int8>(k, v, at, rows, (page_size, dim)),
+            Stores::Native(k, v) => rewrite::<T, Native, Native>(k, v, at, rows, (page_size, dim)),
+            Stores::Int8(k, v) => rewrite::<T, Int8, Int8>(k, v, at, rows, (page_size, dim)),
+            Stores::K8V4(k, v) => rewrite::<T, Int8, Value4>(k, v, at, rows, (page_size, dim)),
         }
     }
 }
@@ -186,6 +212,20 @@ pub(crate) trait Format<T: Elem> {
     fn clear_from(page: &mut [Self::Cell], from: usize, s: usize, d: usize);
     /// The store as int8 K rows, when it holds them (8-bit stores).
     fn codes(store: &[Self::Cell]) -> Option<&[u8]>;
+}
+
+/// Calls `f` with `row` widened to f32, on the stack (head dims are at most a few hundred).
+fn widened<T: Elem>(row: &[T], f: impl FnOnce(&[f32])) {
+    let mut stack = [0f32; 512];
+    let mut heap = Vec::new();
+    let wide = if row.len() <= stack.len() {
+        &mut stack[..row.len()]
+    } else {
+        heap.resize(row.len(), 0.0);
+        &mut heap[..]
+    };
+    wide.iter_mut().zip(row).for_each(|(w, x)| *w = x.to_f32());
+    f(wide)
 }
 
 /// Stores in the tokens' own element type: `[H_kv, P, page_size, d]`.
@@ -228,17 +268,7 @@ impl<T: Elem> Format<T> for Int8 {
         format!("[{h}, P, {}] bytes", int8::page_bytes(s, d))
     }
     fn put(page: &mut [u8], slot: usize, row: &[T], s: usize) {
-        // Widened on the stack (head dims are at most a few hundred).
-        let mut stack = [0f32; 512];
-        let mut heap = Vec::new();
-        let wide = if row.len() <= stack.len() {
-            &mut stack[..row.len()]
-        } else {
-            heap.resize(row.len(), 0.0);
-            &mut heap[..]
-        };
-        wide.iter_mut().zip(row).for_each(|(w, x)| *w = x.to_f32());
-        int8::put_row(page, slot, wide, s);
+        widened(row, |wide| int8::put_row(page, slot, wide, s));
     }
     fn copy(src: &[u8], from: usize, dst: &mut [u8], to: usize, s: usize, d: usize) {
         int8::copy_row(src, from, dst, to, s, d);
@@ -249,6 +279,32 @@ impl<T: Elem> Format<T> for Int8 {
     }
     fn codes(store: &[u8]) -> Option<&[u8]> {
         Some(store)
+    }
+}
+
+/// 4-bit V stores: `[H_kv, P, value4::page_bytes(page_size, d)]` bytes (see [`value4`]).
+pub(crate) struct Value4;
+
+impl<T: Elem> Format<T> for Value4 {
+    type Cell = u8;
+    const FINITE: bool = true;
+    fn page_len(s: usize, d: usize) -> usize {
+        value4::page_bytes(s, d)
+    }
+    fn shape(h: usize, s: usize, d: usize) -> String {
+        format!("[{h}, P, {}] bytes", value4::page_bytes(s, d))
+    }
+    fn put(page: &mut [u8], slot: usize, row: &[T], s: usize) {
+        widened(row, |wide| value4::put_row(page, slot, wide, s));
+    }
+    fn copy(src: &[u8], from: usize, dst: &mut [u8], to: usize, s: usize, d: usize) {
+        value4::copy_row(src, from, dst, to, s, d);
+    }
+    fn clear_from(page: &mut [u8], from: usize, s: usize, d: usize) {
+        value4::clear_from(page, from, s, d);
+    }
+    fn codes(_store: &[u8]) -> Option<&[u8]> {
+        None
     }
 }
 
@@ -396,10 +452,10 @@ impl HeadForest {
             (PageFormat::Native, Some(_)) => {
                 Err(Error::Invalid("a forest of 16-bit pages keeps its own codes: pass no k_store".into()))
             }
-            (PageFormat::Int8, None) => {
-                Err(Error::Invalid("a forest of 8-bit pages reads its keys from the K store: pass k_store".into()))
+            (_, None) => {
+                Err(Error::Invalid("a forest of 8-bit K pages reads its keys from the K store: pass k_store".into()))
             }
-            (PageFormat::Int8, Some(store)) => {
+            (_, Some(store)) => {
                 let p = self.store_pages::<f32, Int8>(store.len(), "k_store", self.max_pages())?;
                 self.check_own_store(store, p, int8::page_bytes(self.page_size, self.dim))?;
                 let per_head = p * int8::page_bytes(self.page_size, self.dim);
@@ -513,6 +569,24 @@ impl HeadForest {
         Ok(p)
     }
 
+    /// Checks a pair of stores (`K`, `V`) of the same number of pages, at least `min_pages`;
+    /// returns that number.
+    fn store_pair<T: Elem, K: Format<T>, V: Format<T>>(
+        &self,
+        k_len: usize,
+        v_len: usize,
+        min_pages: usize,
+    ) -> Result<usize> {
+        let p = self.store_pages::<T, K>(k_len, "k_store", min_pages)?;
+        let (h, s, d) = (self.heads.len(), self.page_size, self.dim);
+        ensure!(
+            v_len == p * h * V::page_len(s, d),
+            "v_store must hold as many pages as k_store: {}",
+            V::shape(h, s, d)
+        );
+        Ok(p)
+    }
+
     fn marks(&self) -> MutexGuard<'_, Option<Vec<u32>>> {
         // Nothing panics while holding it; a poisoned lock still guards a consistent value.
         self.store_marks.lock().unwrap_or_else(|e| e.into_inner())
@@ -556,29 +630,31 @@ impl HeadForest {
     pub fn write_pages<T: Elem>(&self, k_src: &[T], v_src: &[T], stores: Stores<'_, T>) -> Result<()> {
         self.check_format(&stores)?;
         match stores {
-            Stores::Native(k_store, v_store) => self.write_pages_as::<T, Native>(k_src, v_src, k_store, v_store),
-            Stores::Int8(k_store, v_store) => self.write_pages_as::<T, Int8>(k_src, v_src, k_store, v_store),
+            Stores::Native(k_store, v_store) => {
+                self.write_pages_as::<T, Native, Native>(k_src, v_src, k_store, v_store)
+            }
+            Stores::Int8(k_store, v_store) => self.write_pages_as::<T, Int8, Int8>(k_src, v_src, k_store, v_store),
+            Stores::K8V4(k_store, v_store) => self.write_pages_as::<T, Int8, Value4>(k_src, v_src, k_store, v_store),
         }
     }
 
-    fn write_pages_as<T: Elem, F: Format<T>>(
+    fn write_pages_as<T: Elem, K: Format<T>, V: Format<T>>(
         &self,
         k_src: &[T],
         v_src: &[T],
-        k_store: &mut [F::Cell],
-        v_store: &mut [F::Cell],
+        k_store: &mut [K::Cell],
+        v_store: &mut [V::Cell],
     ) -> Result<()> {
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
         for (src, what) in [(k_src, "k_src"), (v_src, "v_src")] {
             ensure!(src.len() == h * self.len * d, "{what} must be [{h}, {}, {d}]", self.len);
-            if F::FINITE {
+            if K::FINITE || V::FINITE {
                 check_finite(src, what)?;
             }
         }
         let need = self.max_pages();
-        let p = self.store_pages::<T, F>(k_store.len(), "k_store", need)?;
-        ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
-        let (n, pl) = (self.len, F::page_len(s, d));
+        let p = self.store_pair::<T, K, V>(k_store.len(), v_store.len(), need)?;
+        let (n, pl) = (self.len, K::page_len(s, d));
         let sums = k_src.par_chunks(n * d).map(|head| fingerprint::key_sum(head, d, 0)).collect::<Option<Vec<_>>>();
         let Some(sums) = sums else {
             return Err(Error::Invalid("k_src: keys must be finite (no NaN or infinity)".into()));
@@ -593,21 +669,27 @@ impl HeadForest {
                  reuses its page layout take other keys, after this forest's own were written"
             );
         }
-        for (src, store) in [(k_src, &mut *k_store), (v_src, &mut *v_store)] {
-            store.par_chunks_mut(p * pl).zip(src.par_chunks(n * d)).zip(&self.heads).for_each(|((st, sr), hp)| {
-                st[..hp.num_pages() * pl].par_chunks_mut(pl).enumerate().for_each(|(page, block)| {
-                    let tokens = hp.page_tokens(page as u32);
-                    for (slot, &t) in tokens.iter().enumerate() {
-                        F::put(block, slot, &sr[t as usize * d..(t as usize + 1) * d], s);
-                    }
-                    F::clear_from(block, tokens.len(), s, d);
-                })
-            });
-        }
+        self.write_store::<T, K>(k_src, k_store, p);
+        self.write_store::<T, V>(v_src, v_store, p);
         if own_keys {
             *self.marks() = Some(store_marks(k_store, p, pl));
         }
         Ok(())
+    }
+
+    /// `write_pages` for one store of `p` pages per head, in format `F`.
+    fn write_store<T: Elem, F: Format<T>>(&self, src: &[T], store: &mut [F::Cell], p: usize) {
+        let (d, s, n) = (self.dim, self.page_size, self.len);
+        let pl = F::page_len(s, d);
+        store.par_chunks_mut(p * pl).zip(src.par_chunks(n * d)).zip(&self.heads).for_each(|((st, sr), hp)| {
+            st[..hp.num_pages() * pl].par_chunks_mut(pl).enumerate().for_each(|(page, block)| {
+                let tokens = hp.page_tokens(page as u32);
+                for (slot, &t) in tokens.iter().enumerate() {
+                    F::put(block, slot, &sr[t as usize * d..(t as usize + 1) * d], s);
+                }
+                F::clear_from(block, tokens.len(), s, d);
+            })
+        });
     }
 
     /// Appends `m` tokens per head (`keys`/`values` `[H_kv, m, d]`) at positions `len..len + m`:
@@ -619,42 +701,42 @@ impl HeadForest {
     pub fn insert<T: Elem>(&mut self, keys: &[T], values: &[T], stores: Stores<'_, T>) -> Result<Vec<Vec<u32>>> {
         self.check_format(&stores)?;
         match stores {
-            Stores::Native(k_store, v_store) => self.insert_as::<T, Native>(keys, values, k_store, v_store),
-            Stores::Int8(k_store, v_store) => self.insert_as::<T, Int8>(keys, values, k_store, v_store),
+            Stores::Native(k_store, v_store) => self.insert_as::<T, Native, Native>(keys, values, k_store, v_store),
+            Stores::Int8(k_store, v_store) => self.insert_as::<T, Int8, Int8>(keys, values, k_store, v_store),
+            Stores::K8V4(k_store, v_store) => self.insert_as::<T, Int8, Value4>(keys, values, k_store, v_store),
         }
     }
 
-    fn insert_as<T: Elem, F: Format<T>>(
+    fn insert_as<T: Elem, K: Format<T>, V: Format<T>>(
         &mut self,
         keys: &[T],
         values: &[T],
-        k_store: &mut [F::Cell],
-        v_store: &mut [F::Cell],
+        k_store: &mut [K::Cell],
+        v_store: &mut [V::Cell],
     ) -> Result<Vec<Vec<u32>>> {
         let (d, s, h) = (self.dim, self.page_size, self.heads.len());
         ensure!(keys.len().is_multiple_of(h * d) && !keys.is_empty(), "keys must be [{h}, m, {d}] with m >= 1");
         ensure!(values.len() == keys.len(), "values must have the shape of keys");
         let m = keys.len() / (h * d);
-        let p = self.store_pages::<T, F>(k_store.len(), "k_store", self.max_pages() + m)?;
-        ensure!(v_store.len() == k_store.len(), "v_store must have the shape of k_store");
+        let p = self.store_pair::<T, K, V>(k_store.len(), v_store.len(), self.max_pages() + m)?;
         let f32_keys = T::keys(keys).to_f32_vec();
         check_rows(&f32_keys, d, "keys")?;
-        if F::FINITE {
+        if V::FINITE {
             check_finite(values, "values")?;
         }
-        let pl = F::page_len(s, d);
+        let (pl, vl) = (K::page_len(s, d), V::page_len(s, d));
         self.check_own_store(k_store, p, pl)?;
         let start = self.len;
         let inserted = self
             .heads
             .par_iter_mut()
             .zip(k_store.par_chunks_mut(p * pl))
-            .zip(v_store.par_chunks_mut(p * pl))
+            .zip(v_store.par_chunks_mut(p * vl))
             .enumerate()
             .map(|(hi, ((hp, ks), vs))| {
                 let mut changed = Vec::new();
                 let mut scratch = Scratch::default();
-                let mut store = Store::<T, F> { k: ks, v: vs, d, s, kind: std::marker::PhantomData };
+                let mut store = Store::<T, K, V> { k: ks, v: vs, d, s, kind: std::marker::PhantomData };
                 for i in 0..m {
                     let row = (hi * m + i) * d;
                     hp.insert(
@@ -691,43 +773,45 @@ fn store_marks<C: bytemuck::Pod>(k_store: &[C], p: usize, page_len: usize) -> Ve
         .collect()
 }
 
-/// One head's K and V page stores, in format `F`.
-pub(crate) struct Store<'a, T: Elem, F: Format<T>> {
-    k: &'a mut [F::Cell],
-    v: &'a mut [F::Cell],
+/// One head's K and V page stores, in formats `K` and `V`.
+pub(crate) struct Store<'a, T: Elem, K: Format<T>, V: Format<T>> {
+    k: &'a mut [K::Cell],
+    v: &'a mut [V::Cell],
     d: usize,
     s: usize,
-    kind: std::marker::PhantomData<(T, F)>,
+    kind: std::marker::PhantomData<(T, K, V)>,
 }
 
-impl<T: Elem, F: Format<T>> Store<'_, T, F> {
-    fn page_at(&self, page: u32) -> std::ops::Range<usize> {
-        let n = F::page_len(self.s, self.d);
-        page as usize * n..(page as usize + 1) * n
+/// Copies of one page's K and V blocks.
+type PageCopy<T, K, V> = (Vec<<K as Format<T>>::Cell>, Vec<<V as Format<T>>::Cell>);
+
+impl<T: Elem, K: Format<T>, V: Format<T>> Store<'_, T, K, V> {
+    fn pages_at(&self, page: u32) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (kl, vl, p) = (K::page_len(self.s, self.d), V::page_len(self.s, self.d), page as usize);
+        (p * kl..(p + 1) * kl, p * vl..(p + 1) * vl)
     }
 
     fn write(&mut self, page: u32, slot: u32, k: &[T], v: &[T]) {
-        let at = self.page_at(page);
-        F::put(&mut self.k[at.clone()], slot as usize, k, self.s);
-        F::put(&mut self.v[at], slot as usize, v, self.s);
+        let (ka, va) = self.pages_at(page);
+        K::put(&mut self.k[ka], slot as usize, k, self.s);
+        V::put(&mut self.v[va], slot as usize, v, self.s);
     }
 
-    /// Copies of one page's K and V blocks.
-    fn read_page(&self, page: u32) -> (Vec<F::Cell>, Vec<F::Cell>) {
-        let at = self.page_at(page);
-        (self.k[at.clone()].to_vec(), self.v[at].to_vec())
+    fn read_page(&self, page: u32) -> PageCopy<T, K, V> {
+        let (ka, va) = self.pages_at(page);
+        (self.k[ka].to_vec(), self.v[va].to_vec())
     }
 
     /// Row `from` of the page copies `old` into slot `slot` of `page`.
-    fn move_row(&mut self, old: &(Vec<F::Cell>, Vec<F::Cell>), from: usize, page: u32, slot: usize) {
-        let at = self.page_at(page);
-        F::copy(&old.0, from, &mut self.k[at.clone()], slot, self.s, self.d);
-        F::copy(&old.1, from, &mut self.v[at], slot, self.s, self.d);
+    fn move_row(&mut self, old: &PageCopy<T, K, V>, from: usize, page: u32, slot: usize) {
+        let (ka, va) = self.pages_at(page);
+        K::copy(&old.0, from, &mut self.k[ka], slot, self.s, self.d);
+        V::copy(&old.1, from, &mut self.v[va], slot, self.s, self.d);
     }
 
     fn clear_page(&mut self, page: u32) {
-        let at = self.page_at(page);
-        F::clear_from(&mut self.k[at.clone()], 0, self.s, self.d);
-        F::clear_from(&mut self.v[at], 0, self.s, self.d);
+        let (ka, va) = self.pages_at(page);
+        K::clear_from(&mut self.k[ka], 0, self.s, self.d);
+        V::clear_from(&mut self.v[va], 0, self.s, self.d);
     }
 }

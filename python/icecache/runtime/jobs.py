@@ -136,7 +136,7 @@ class LayerJobs:
 
     def host_nbytes(self) -> int:
         """Host bytes of the stores, the index or history, and the decode steps' buffers."""
-        host = sum(s.k.numel() * s.k.element_size() * 2 for s in self.stores)
+        host = sum(s.nbytes() for s in self.stores)
         if self._made_buffers is not None:
             host += self._made_buffers.nbytes()
         return host

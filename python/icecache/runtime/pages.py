@@ -13,6 +13,9 @@ With ``IceCacheConfig.page_format="int8"`` the stores hold 8-bit pages: uint8 ``
 page_size * (D + 4)]``, each page its rows' int8 codes, then one float32 scale per row
 (:func:`dequantize_pages` reads them, on the host and on the device alike). The index reads
 its keys from the K store's rows then (:meth:`PageStore.k_codes`): each key is stored once.
+With ``page_format="k8v4"`` the K pages are those 8-bit pages and the V pages 4-bit ones
+(:func:`value4_page_bytes`, :func:`dequantize_value4_pages`): each group of 32 values of a row
+as codes 0..15 with a bfloat16 step and minimum.
 """
 
 from __future__ import annotations
@@ -25,7 +28,22 @@ import torch
 from icecache import _core
 from icecache.runtime.config import IceCacheConfig
 
-__all__ = ["numpy_view", "headroom", "int8_page_bytes", "dequantize_pages", "PageStore", "History", "PageIndex"]
+__all__ = [
+    "numpy_view",
+    "headroom",
+    "int8_page_bytes",
+    "value4_page_bytes",
+    "page_bytes",
+    "dequantize_pages",
+    "dequantize_value4_pages",
+    "dequantize_kv",
+    "PageStore",
+    "History",
+    "PageIndex",
+]
+
+#: Values of a row that share one 4-bit step and minimum.
+VALUE4_GROUP = 32
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -38,6 +56,49 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
 def int8_page_bytes(page_size: int, dim: int) -> int:
     """Bytes of one 8-bit page: ``page_size * dim`` int8 codes, then ``page_size`` float32 scales."""
     return page_size * (dim + 4)
+
+
+def value4_page_bytes(page_size: int, dim: int) -> int:
+    """Bytes of one 4-bit V page: ``page_size`` rows of ``ceil(dim / 2)`` bytes of codes (two a
+    byte, the low nibble first), padded to an even size, then ``[page_size, ceil(dim / 32), 2]``
+    bfloat16 ``(step, minimum)`` of each group of 32 values."""
+    codes = -(-dim // 2) * page_size
+    return codes + codes % 2 + page_size * -(-dim // VALUE4_GROUP) * 4
+
+
+def page_bytes(page_format: str, page_size: int, dim: int) -> Tuple[int, int]:
+    """Bytes of one K page and one V page of a quantised ``page_format`` (``"int8"``, ``"k8v4"``)."""
+    k = int8_page_bytes(page_size, dim)
+    return k, (value4_page_bytes(page_size, dim) if page_format == "k8v4" else k)
+
+
+def dequantize_value4_pages(pages: torch.Tensor, page_size: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """4-bit V pages ``[..., value4_page_bytes]`` (uint8) as ``[..., page_size, dim]`` tokens in
+    ``dtype``: ``minimum + code * step`` of each value's group, in float32 (the product is exact:
+    a 4-bit code times a bfloat16 step), then rounded once to ``dtype``. Views and elementwise ops
+    only (CUDA-graph safe); the same on CPU and CUDA."""
+    half, groups = -(-dim // 2), -(-dim // VALUE4_GROUP)
+    split = page_size * half
+    at = split + split % 2
+    packed = pages[..., :split].unflatten(-1, (page_size, half))
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # [..., S, 2 * half]
+    if codes.shape[-1] != groups * VALUE4_GROUP:
+        codes = torch.nn.functional.pad(codes, (0, groups * VALUE4_GROUP - codes.shape[-1]))
+    params = pages[..., at:].view(torch.bfloat16).unflatten(-1, (page_size, groups, 2)).float()
+    # Each group's minimum plus its codes times its step, broadcast over the group's values.
+    values = torch.addcmul(params[..., 1:], codes.unflatten(-1, (groups, VALUE4_GROUP)).float(), params[..., :1])
+    return values.flatten(-2)[..., :dim].to(dtype)
+
+
+def dequantize_kv(
+    k: torch.Tensor, v: torch.Tensor, page_format: str, page_size: int, dim: int, dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantised K and V pages (``page_format`` ``"int8"`` or ``"k8v4"``) as ``[..., page_size,
+    dim]`` tokens in ``dtype``."""
+    dk = dequantize_pages(k, page_size, dim, dtype)
+    if page_format == "k8v4":
+        return dk, dequantize_value4_pages(v, page_size, dim, dtype)
+    return dk, dequantize_pages(v, page_size, dim, dtype)
 
 
 def dequantize_pages(pages: torch.Tensor, page_size: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -70,8 +131,8 @@ def _grow(owner, need: int, keep: int) -> None:
 
 class PageStore:
     """K and V pages of one layer of one sequence in CPU memory: ``[H_kv, P, S, D]`` each in
-    ``dtype``, or with ``page_format="int8"`` uint8 ``[H_kv, P, S * (D + 4)]`` (8-bit pages, see
-    the module docs).
+    ``dtype``, or with a quantised ``page_format`` uint8 ``[H_kv, P, page bytes]`` (8-bit pages,
+    and 4-bit V pages with ``"k8v4"``; see the module docs).
 
     Grows by half again when full; the NumPy views handed to the core are taken after any
     growth. Growing copies the pages in use and stalls the step that does it, so callers
@@ -83,26 +144,31 @@ class PageStore:
 
     def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype, page_format: str = "native"):
         self.page_size, self.dim, self.page_format = page_size, dim, page_format
-        if page_format == "int8":
-            self.k = torch.empty(heads, 0, int8_page_bytes(page_size, dim), dtype=torch.uint8)
+        if page_format in ("int8", "k8v4"):
+            kb, vb = page_bytes(page_format, page_size, dim)
+            self.k = torch.empty(heads, 0, kb, dtype=torch.uint8)
+            self.v = torch.empty(heads, 0, vb, dtype=torch.uint8)
         elif page_format == "native":
             self.k = torch.empty(heads, 0, page_size, dim, dtype=dtype)
+            self.v = torch.empty_like(self.k)
         else:
-            raise ValueError(f'page_format must be "native" or "int8", got {page_format!r}')
-        self.v = torch.empty_like(self.k)
+            raise ValueError(f'page_format must be "native", "int8" or "k8v4", got {page_format!r}')
 
     def tokens(self, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K and V pages as ``[H_kv, P, S, D]`` tokens in ``dtype`` (8-bit pages dequantised:
+        """K and V pages as ``[H_kv, P, S, D]`` tokens in ``dtype`` (quantised pages dequantised:
         what the device attends once it loads them)."""
-        if self.page_format == "int8":
-            S, D = self.page_size, self.dim
-            return dequantize_pages(self.k, S, D, dtype), dequantize_pages(self.v, S, D, dtype)
-        return self.k.to(dtype), self.v.to(dtype)
+        if self.page_format == "native":
+            return self.k.to(dtype), self.v.to(dtype)
+        return dequantize_kv(self.k, self.v, self.page_format, self.page_size, self.dim, dtype)
 
     @property
     def pages(self) -> int:
         """Allocated pages per head."""
         return self.k.shape[1]
+
+    def nbytes(self) -> int:
+        """Bytes of the K and V stores as allocated (headroom included)."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v))
 
     def reserve(self, pages: int, used: int) -> bool:
         """Make room for at least ``pages`` pages per head, keeping the first ``used`` (the
@@ -119,7 +185,7 @@ class PageStore:
     def k_codes(self) -> Optional[np.ndarray]:
         """What an index of these stores reads its keys from (``HeadForest``'s ``k_store``): the
         8-bit K store, or ``None`` for 16-bit stores (their index keeps its keys' int8 rows)."""
-        return numpy_view(self.k) if self.page_format == "int8" else None
+        return None if self.page_format == "native" else numpy_view(self.k)
 
 
 class History:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from icecache import _core
-from icecache.runtime.pages import int8_page_bytes
 
 __all__ = ["Staging", "StagingView"]
 
@@ -32,7 +31,8 @@ class StagingView:
     #: bool ``[max_masks, page_size]``: the new mask of each ``mask_idx`` slot.
     masks: torch.Tensor
     #: ``[max_loads, 2, page_size * D]`` in the KV dtype (K then V of each loaded page), or with
-    #: 8-bit pages uint8 ``[max_loads, 2, page_size * (D + 4)]`` (codes, then row scales).
+    #: quantised pages uint8 ``[max_loads, k_page_bytes + v_page_bytes]`` (the K page, then the V
+    #: page: see ``icecache.runtime.pages``).
     rows: torch.Tensor
     #: The pool slot that padded entries name (one past the pool).
     trash: int
@@ -92,10 +92,10 @@ class Staging:
         lay, S, D = self.layout, self.page_size, self.dim
         n, m = lay.max_loads, lay.max_masks
         rows = buffer[lay.rows_at : lay.bytes]
-        if self.page_format == "int8":
-            rows = rows.view(n, 2, int8_page_bytes(S, D))
-        else:
+        if self.page_format == "native":
             rows = rows.view(self.dtype).view(n, 2, S * D)
+        else:
+            rows = rows.view(n, lay.k_page_bytes + lay.v_page_bytes)
         return StagingView(
             load_idx=buffer[lay.load_idx_at : lay.load_idx_at + 8 * n].view(torch.int64),
             mask_idx=buffer[lay.mask_idx_at : lay.mask_idx_at + 8 * m].view(torch.int64),

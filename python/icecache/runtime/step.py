@@ -22,7 +22,7 @@ import torch
 
 from icecache.attend.ranked import RankedAttention, ranked_decode_attention
 from icecache.runtime.graphs import capture, retire_with
-from icecache.runtime.pages import dequantize_pages
+from icecache.runtime.pages import dequantize_kv, dequantize_pages, page_bytes
 from icecache.runtime.staging import StagingView
 
 __all__ = ["DeviceStep"]
@@ -44,7 +44,7 @@ class DeviceStep:
         handoff: ``(host_query, host_flag)`` pinned host tensors to hand each step's queries and
             step number to (look-ahead), or ``None``.
         graphs: replay from CUDA graphs (CUDA only); ``pool``: their shared memory pool.
-        page_format: how staging carries pages (``IceCacheConfig.page_format``): ``"int8"``
+        page_format: how staging carries pages (``IceCacheConfig.page_format``): quantised
             pages are dequantised into the pool's dtype as they are scattered.
     """
 
@@ -77,10 +77,12 @@ class DeviceStep:
         self._scale = scale
         self._adaptive = adaptive
         self._load_idx, self._mask_idx, self._masks = staging.load_idx, staging.mask_idx, staging.masks
-        # int8: [n, 2, page bytes], dequantised per step (only the staged pages when eager).
-        self._int8 = page_format == "int8"
-        self._rows = staging.rows if self._int8 else staging.rows.transpose(0, 1)
+        # Quantised: [n, K page bytes + V page bytes], dequantised per step (only the staged
+        # pages when eager).
+        self._format = page_format
+        self._rows = staging.rows if page_format != "native" else staging.rows.transpose(0, 1)
         self._page = (S, D)
+        self._k_bytes = page_bytes(page_format, S, D)[0] if page_format != "native" else 0
         # Until a job's outcome arrives, every entry names the trash slot.
         self._load_idx.fill_(staging.trash)
         self._mask_idx.fill_(staging.trash)
@@ -122,11 +124,23 @@ class DeviceStep:
         # slot), only the ``staged`` (loads, masks) ones eagerly.
         n, m = staged if staged is not None else (len(self._load_idx), len(self._mask_idx))
         if n:
-            if self._int8:
-                rows = dequantize_pages(self._rows[:n], *self._page, self._pool_rows.dtype).flatten(-2).transpose(0, 1)
+            idx = self._load_idx[:n]
+            if self._format == "native":
+                self._pool_rows.index_copy_(1, idx, self._rows[:, :n])
+            elif self._format == "int8":  # K and V pages of one size: one dequantisation
+                both = dequantize_pages(self._rows[:n].unflatten(-1, (2, -1)), *self._page, self._pool_rows.dtype)
+                self._pool_rows.index_copy_(1, idx, both.flatten(-2).transpose(0, 1))
             else:
-                rows = self._rows[:, :n]
-            self._pool_rows.index_copy_(1, self._load_idx[:n], rows)
+                loaded = self._rows[:n]
+                kv = dequantize_kv(
+                    loaded[:, : self._k_bytes],
+                    loaded[:, self._k_bytes :],
+                    self._format,
+                    *self._page,
+                    self._pool_rows.dtype,
+                )
+                for pool, tokens in zip(self._pool_rows, kv):
+                    pool.index_copy_(0, idx, tokens.flatten(-2))
         if m:
             self._pool_masks.index_copy_(0, self._mask_idx[:m], self._masks[:m])
         res = ranked_decode_attention(
