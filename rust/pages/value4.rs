@@ -66,6 +66,21 @@ fn bf16_directed(x: f32, down: bool) -> bf16 {
     bf16::from_bits(stepped)
 }
 
+/// Smallest and largest value of `group`, by 8 lanes (compare-and-select: vectorised).
+fn min_max(group: &[f32]) -> (f32, f32) {
+    let (mut lo, mut hi) = ([f32::INFINITY; 8], [f32::NEG_INFINITY; 8]);
+    let mut chunks = group.chunks_exact(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            lo[i] = if c[i] < lo[i] { c[i] } else { lo[i] };
+            hi[i] = if c[i] > hi[i] { c[i] } else { hi[i] };
+        }
+    }
+    let fold = |a: [f32; 8], tail: &[f32], f: fn(f32, f32) -> f32| a.into_iter().chain(tail.iter().copied()).reduce(f);
+    let rest = chunks.remainder();
+    (fold(lo, rest, f32::min).unwrap_or(0.0), fold(hi, rest, f32::max).unwrap_or(0.0))
+}
+
 /// Quantises `row` (finite) into slot `slot` of `page` (a page of `s` rows).
 pub(crate) fn put_row(page: &mut [u8], slot: usize, row: &[f32], s: usize) {
     let d = row.len();
@@ -73,18 +88,19 @@ pub(crate) fn put_row(page: &mut [u8], slot: usize, row: &[f32], s: usize) {
     let params_at = slot * groups(d) * PARAM_BYTES;
     let (codes_part, params) = page.split_at_mut(codes_bytes(s, d));
     let codes = &mut codes_part[slot * half_row..(slot + 1) * half_row];
-    codes.fill(0);
     for (g, group) in row.chunks(GROUP).enumerate() {
-        let (lo, hi) = group.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+        let (lo, hi) = min_max(group);
         let min = bf16_directed(lo, true);
         // In f64: the span of a row near f32's limits overflows f32.
         let step = bf16_directed((((hi as f64) - min.to_f32() as f64) / 15.0).min(f32::MAX as f64) as f32, false);
         let (m, st) = (min.to_f32(), step.to_f32());
         let inv = if st > 0.0 { 1.0 / st } else { 0.0 };
-        for (i, &x) in group.iter().enumerate() {
-            let code = ((x - m) * inv).round().clamp(0.0, 15.0) as u8;
-            let at = g * GROUP + i;
-            codes[at / 2] |= code << (4 * (at % 2));
+        // x >= m, so rounding is adding a half and truncating (no libm call: vectorised); the
+        // cast saturates, the clamp keeps 15 for values rounded past the top.
+        let code = |x: f32| (((x - m) * inv + 0.5) as u8).min(15);
+        // GROUP is even: a group's values fill whole bytes, the last group's odd tail excepted.
+        for (pair, byte) in group.chunks(2).zip(&mut codes[g * GROUP / 2..]) {
+            *byte = code(pair[0]) | pair.get(1).map_or(0, |&x| code(x) << 4);
         }
         let p = params_at + g * PARAM_BYTES;
         params[p..p + 2].copy_from_slice(&step.to_bits().to_ne_bytes());
