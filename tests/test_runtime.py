@@ -1454,6 +1454,21 @@ def test_int8_pages_of_a_prompt_within_sink_and_window(pool_checks):
     assert sum(pool_checks) > 0
 
 
+@pytest.mark.parametrize("page_format", ["native", "int8", "k8v4"])
+def test_host_memory_estimate_counts_the_stores_bytes(page_format):
+    """The host-memory check's bytes per token (``hostmem.bytes_per_token``, one forward) are the
+    page stores' own bytes per token of each format, plus the int8 key rows a 16-bit forest
+    keeps, plus the index, with the page slack on top."""
+    from icecache.runtime import hostmem
+
+    for dim in (64, 128, 256):
+        store = PageStore(1, 16, dim, torch.bfloat16, page_format)
+        store.reserve(1, 0)
+        stored = store.nbytes() // 16 + (dim + 4 if page_format == "native" else 0)
+        want = (stored + hostmem.INDEX_BYTES) * hostmem.PAGE_SLACK_PERCENT // 100
+        assert hostmem.bytes_per_token(1, dim, torch.bfloat16, page_format, False) == want, dim
+
+
 @pytest.mark.parametrize("dim", [16, 40, 41])
 def test_k8v4_pages_dequantise_within_half_a_step(dim):
     """``page_format="k8v4"``: what ``write_pages`` stores dequantises (``PageStore.tokens``, as
