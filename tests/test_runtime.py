@@ -1493,6 +1493,8 @@ def test_k8v4_pages_dequantise_within_half_a_step(dim):
         check_value4(v[h, page, slot], torch.from_numpy(values[h]))
         filled[h, page, slot] = True
     assert not k[~filled].any() and not v[~filled].any()
+    with pytest.raises(ValueError, match="divisible by 4"):
+        PageStore(2, 9, 6, torch.float32, "k8v4")  # 54 bytes of codes: the scales would be misaligned
 
 
 def test_int8_page_format_is_validated():

@@ -144,6 +144,11 @@ class PageStore:
 
     def __init__(self, heads: int, page_size: int, dim: int, dtype: torch.dtype, page_format: str = "native"):
         self.page_size, self.dim, self.page_format = page_size, dim, page_format
+        if page_format in ("int8", "k8v4") and (page_size * dim) % 4:
+            # The device reads a page's float32 scales and bfloat16 parameters in place.
+            raise ValueError(
+                f"page_format={page_format!r} needs page_size * head size divisible by 4, got {page_size} x {dim}"
+            )
         if page_format in ("int8", "k8v4"):
             kb, vb = page_bytes(page_format, page_size, dim)
             self.k = torch.empty(heads, 0, kb, dtype=torch.uint8)
