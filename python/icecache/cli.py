@@ -208,10 +208,10 @@ def _add_agreement_parser(evals: Any) -> None:
     )
     ag.add_argument(
         "--page-format",
-        default="k8v4",
+        default="int8",
         choices=["native", "int8", "k8v4"],
         help="IceCache's host page stores: the model's dtype, int8 with a scale per row, or int8 K and "
-        "4-bit V with a step and minimum per 32 values (default k8v4)",
+        "4-bit V with a step and minimum per 32 values (default int8)",
     )
     ag.add_argument("--seed", type=int, default=0, help="prompt choice (default 0)")
     ag.add_argument(

@@ -231,17 +231,18 @@ class IceCacheConfig:
             on one host, each rank's even share of them (:mod:`icecache.runtime.parallel`).
         device: where sinks, windows and the page pool live. Default: the model's device.
         page_format: how the host page stores hold the offloaded K and V. ``"native"``: the
-            model's KV dtype. ``"int8"``: int8 codes with one float32 scale per (KV head, token)
-            row (``max |x| / 127``; every value within half a step, up to float32 rounding),
-            ``(D + 4) / (2 D)`` of bf16's host and PCIe bytes per page. ``"k8v4"`` (default):
+            model's KV dtype. ``"int8"`` (default): int8 codes with one float32 scale per (KV
+            head, token) row (``max |x| / 127``; every value within half a step, up to float32
+            rounding), ``(D + 4) / (2 D)`` of bf16's host and PCIe bytes per page. ``"k8v4"``:
             those 8-bit K pages, and V pages of 4-bit codes with a bfloat16 step and minimum
             per group of 32 values of a row (every value within half its group's step), 0.41x
-            of bf16's bytes for K and V at ``D = 128``: lossier values (attention output error
-            about 4x int8's) for a fifth fewer host and PCIe bytes. The device dequantises
+            of bf16's bytes for K and V at ``D = 128``: a fifth fewer host and PCIe bytes than
+            int8 for lossier values (attention output error about 4x int8's; RULER and greedy
+            agreement a little lower at large budgets), for memory-bound serving. The device dequantises
             loaded pages into its pool (in the model dtype), so attention reads the dequantised
             tokens. The index reads its keys from the 8-bit K rows (each key is stored once);
             with ``"native"`` it keeps the same int8 rows beside the 16-bit pages. Sections
-            "8-bit host pages", "4-bit V pages by default" and "Each key once".
+            "8-bit host pages", "4-bit V pages" and "Each key once".
         prefill_chunk: the prompt chunk ``generate`` feeds the model when its generation config
             sets none: :class:`IceCache` sets ``model.generation_config.prefill_chunk_size`` to
             this where it is ``None`` (``None`` here: leave it alone). A chunk's attention is
@@ -274,7 +275,7 @@ class IceCacheConfig:
     seed: Optional[int] = 0
     threads: Optional[int] = None
     device: Any = None
-    page_format: str = "k8v4"
+    page_format: str = "int8"
     prefill_chunk: Optional[int] = 8192
 
     def __post_init__(self) -> None:
