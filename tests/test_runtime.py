@@ -1466,7 +1466,7 @@ def test_host_memory_estimate_counts_the_stores_bytes(page_format):
         store.reserve(1, 0)
         stored = store.nbytes() // 16 + (dim + 4 if page_format == "native" else 0)
         want = (stored + hostmem.INDEX_BYTES) * hostmem.PAGE_SLACK_PERCENT // 100
-        assert hostmem.bytes_per_token(1, dim, torch.bfloat16, page_format, False) == want, dim
+        assert hostmem.bytes_per_token(1, dim, torch.bfloat16, page_format, False, 16) == want, dim
 
 
 @pytest.mark.parametrize("dim", [16, 40, 41])

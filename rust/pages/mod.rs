@@ -175,10 +175,9 @@ impl<T: Elem> Stores<'_, T> {
             ensure!(k.len() / kl == v.len() / vl && (at + 1) * kl <= k.len(), "page {at} beyond the stores");
             ensure!(rows.len() <= s, "a page holds at most {s} tokens, not {}", rows.len());
             ensure!(rows.iter().all(|(kr, vr)| kr.len() == d && vr.len() == d), "rows must have {d} elements");
-            if K::FINITE {
-                let finite = rows.iter().all(|(kr, vr)| kr.iter().chain(*vr).all(|x| x.to_f32().is_finite()));
-                ensure!(finite, "quantised pages hold finite values only");
-            }
+            let finite = |row: &[T]| row.iter().all(|x| x.to_f32().is_finite());
+            let ok = rows.iter().all(|(kr, vr)| (!K::FINITE || finite(kr)) && (!V::FINITE || finite(vr)));
+            ensure!(ok, "quantised pages hold finite values only");
             let (kp, vp) = (&mut k[at * kl..(at + 1) * kl], &mut v[at * vl..(at + 1) * vl]);
             K::clear_from(kp, 0, s, d);
             V::clear_from(vp, 0, s, d);

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from icecache.runtime.pages import page_bytes
+
 __all__ = ["PINNING", "available_bytes", "bytes_per_token", "check_prompt_fits", "pin_by_registering"]
 
 #: Index bytes per token and KV head beyond its rows (cells, tree, position maps), rounded up.
@@ -83,15 +85,18 @@ def available_bytes() -> Optional[int]:
     return avail
 
 
-def bytes_per_token(heads: int, dim: int, dtype: torch.dtype, page_format: str, streamed: bool) -> int:
-    """Resident host bytes one prompt token of one layer needs: in the page stores with the
-    index, and with ``streamed`` (a prompt of several chunks) its keys and values as they came
-    too (a prompt of one chunk has no host copy of its own)."""
+def bytes_per_token(
+    heads: int, dim: int, dtype: torch.dtype, page_format: str, streamed: bool, page_size: int = 16
+) -> int:
+    """Resident host bytes one prompt token of one layer needs: in the page stores (pages of
+    ``page_size`` tokens) with the index, and with ``streamed`` (a prompt of several chunks) its
+    keys and values as they came too (a prompt of one chunk has no host copy of its own)."""
     size = torch.empty((), dtype=dtype).element_size()
     came = 2 * dim * size
-    rows = dim + 4  # an int8 row and its float32 scale: what the index reads
-    value4 = -(-dim // 2) + -(-dim // 32) * 4  # 4-bit codes, a bfloat16 step and minimum a group
-    stored = {"int8": 2 * rows, "k8v4": rows + value4}.get(page_format, came + rows)
+    if page_format == "native":
+        stored = came + dim + 4  # the bf16 pages, and the int8 row and scale the index keeps
+    else:
+        stored = sum(page_bytes(page_format, page_size, dim)) // page_size
     return heads * ((came if streamed else 0) + (stored + INDEX_BYTES) * PAGE_SLACK_PERCENT // 100)
 
 

@@ -225,7 +225,8 @@ class IceLayer(CacheLayerMixin):
         the machine does not have (the first layer checks for all); ``streamed``: a later chunk,
         so the prompt is held on the host as it came too."""
         B, H, _, D = k.shape
-        per_token = bytes_per_token(H, D, k.dtype, self.runtime.config.page_format, streamed)
+        cfg = self.runtime.config
+        per_token = bytes_per_token(H, D, k.dtype, cfg.page_format, streamed, cfg.page_size)
         self.runtime.check_prompt_memory(length, B, per_token)
 
     def _prompt_chunk(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
