@@ -11,7 +11,9 @@ must not change); the values go to 4 bits, quantised per token row as the pages 
 - ``int4-row``: ``max |x| / 7`` per row (codes -7..7), float32 scale: ``D / 2 + 4`` bytes;
 - ``int4-g32``: the same per group of 32 values, float16 scales: ``D / 2 + D / 16`` bytes;
 - ``int4-g32-asym``: ``(max - min) / 15`` and the minimum per group of 32, float16 both:
-  ``D / 2 + D / 8`` bytes (the KIVI-style value quantiser).
+  ``D / 2 + D / 8`` bytes (the KIVI-style value quantiser);
+- ``int4-g32-asym-rot``: the same after an orthonormal rotation of each row (random signs, then
+  the normalised Hadamard matrix; ``D`` a power of two), undone after dequantisation.
 
 Quantisation is emulated in float32 on the middle tokens (neither sink nor window), so it
 measures only what the bits cost, at a budget that covers the context (no selection):
@@ -40,7 +42,7 @@ from bench_index import run_header  # noqa: E402
 from bench_int8_pages import bf16_middle, output_errors, prose_and_code  # noqa: E402
 
 SINK, WINDOW = 16, 32
-VARIANTS = ("int8", "int4-row", "int4-g32", "int4-g32-asym")
+VARIANTS = ("int8", "int4-row", "int4-g32", "int4-g32-asym", "int4-g32-asym-rot")
 
 
 def row_bytes(variant: str, dim: int) -> float:
@@ -50,6 +52,7 @@ def row_bytes(variant: str, dim: int) -> float:
         "int4-row": dim / 2 + 4,
         "int4-g32": dim / 2 + 2 * dim / 32,
         "int4-g32-asym": dim / 2 + 4 * dim / 32,
+        "int4-g32-asym-rot": dim / 2 + 4 * dim / 32,
     }[variant]
 
 
@@ -57,6 +60,9 @@ def quantise(x, variant: str):
     """``x [..., D]`` (float32 torch) through ``variant``'s codes and back."""
     import torch
 
+    if variant.endswith("-rot"):
+        h = rotation(x.shape[-1])
+        return quantise(x @ h, variant[: -len("-rot")]) @ h.T
     if variant == "int8":
         scale = x.abs().amax(-1, keepdim=True) / 127
         return torch.round(x / scale.clamp_min(1e-30)) * scale
@@ -70,6 +76,18 @@ def quantise(x, variant: str):
     lo = g.amin(-1, keepdim=True).half().float()
     scale = ((g.amax(-1, keepdim=True) - lo) / 15).half().float()
     return (torch.round((g - lo) / scale.clamp_min(1e-30)).clamp(0, 15) * scale + lo).flatten(-2)
+
+
+def rotation(dim: int):
+    """An orthonormal ``[dim, dim]`` rotation: random signs, then the normalised Hadamard
+    matrix (``dim`` a power of two), which spreads a channel's outliers over every channel."""
+    import torch
+
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.from_numpy(np.random.default_rng(0).choice([-1.0, 1.0], dim)).float()
+    return signs[:, None] * h / dim**0.5
 
 
 class Middle:
