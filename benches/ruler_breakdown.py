@@ -11,11 +11,12 @@ answer), and each IceCache layer's attention recall (the share of the full atten
 the tokens the step attended) at that first token and averaged over the answer. Low recall
 where it diverges points at selection (and at the layers that lose it); recall that a larger
 budget restores points at the budget; a difference between look-ahead on and off points at the
-look-ahead's stale query.
+look-ahead's stale query. With ``--oracle``, the exact top-k oracle's rows at the same budgets
+give the recall no selection of that many tokens can beat.
 
     python benches/ruler_breakdown.py --task niah_multivalue --length 8192 --indices 2 5 6 \\
         [--budgets 256 1024] [--model smollm2] [--samples 8] [--full-layers 2] [--dtype float32] \\
-        [--variant page_format=native --variant effort=2.0] [--lookahead on off]
+        [--variant page_format=native --variant effort=2.0] [--lookahead on off] [--oracle]
 """
 
 from __future__ import annotations
@@ -57,6 +58,56 @@ def teacher_forced(model, cache, answer: List[int]) -> Tuple[List[int], List[flo
     return chosen, margins
 
 
+def oracle_recalls(model, prefix, answer: List[int], settings, budget: int):
+    """The exact top-``budget`` oracle teacher-forced along ``answer`` (as :func:`teacher_forced`),
+    with each of its layers' recall at each step (the share of the full attention mass on the
+    tokens it attends, averaged over query heads, as IceCache's ``track_recall`` counts it):
+    the recall that no selection of ``budget`` tokens can beat. Returns the argmaxes, the margins,
+    the recalls ``[steps, layers]`` and the layers' indices."""
+    import torch
+    from icecache.eval.ruler.evaluate import _method_cache
+    from icecache.eval.ruler.methods import BudgetLayer
+
+    cache = _method_cache("oracle", budget, model, prefix, None, settings)
+    layers = [x for x in cache.layers if isinstance(x, BudgetLayer)]
+    got: List[float] = []
+
+    def measured(layer):
+        attend = layer.attend
+
+        def run(query, scale):
+            q, k = query[0, :, 0].float(), layer.keys[0].float()
+            H, _, D = k.shape
+            p = torch.softmax(torch.einsum("hgd,htd->hgt", q.reshape(H, -1, D), k) * scale, dim=-1)
+            got.append(float((p * layer.keep_mask(q, scale)[:, None]).sum(-1).mean()))
+            return attend(query, scale)
+
+        return run
+
+    for layer in layers:
+        layer.attend = measured(layer)
+    chosen, margins = teacher_forced(model, cache, answer)
+    rec = np.asarray(got, dtype=np.float64).reshape(len(chosen), len(layers))
+    return chosen, margins, rec, [x.layer_idx for x in layers]
+
+
+def row(named: str, budget: int, lookahead: str, answer, chosen, margins, full_margins, rec, layer_ids, tok) -> str:
+    """One table row: where ``chosen`` leaves ``answer`` first, the margins and recalls there,
+    and the recall over the answer by layer."""
+    differ = [i for i, (c, a) in enumerate(zip(chosen, answer[1:])) if c != a]
+    mean = rec.mean(0)
+    low = ", ".join(f"{layer_ids[j]}: {mean[j]:.3f}" for j in np.argsort(mean)[:3])
+    if not differ:
+        at, there, margin = "none", "-", "-"
+    else:
+        i, r = differ[0], rec[differ[0]]
+        full, other = tok.decode([answer[i + 1]]), tok.decode([chosen[i]])
+        at = f"{len(differ)}; first: token {i + 1}, {full!r} -> {other!r}"
+        there = f"{r.mean():.3f} ({layer_ids[int(r.argmin())]}: {r.min():.3f})"
+        margin = f"{full_margins[i]:.3f} / {margins[i]:.3f}"
+    return f"| {named} | {budget} | {lookahead} | {at} | {margin} | {there} | {rec.mean():.3f} | {low} |"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -79,6 +130,9 @@ def main(argv=None) -> int:
         "repeatable (default: one run with the defaults); page_size is shared by every method and named here too",
     )
     ap.add_argument("--lookahead", nargs="+", choices=["on", "off"], default=["on", "off"])
+    ap.add_argument(
+        "--oracle", action="store_true", help="also the exact top-k oracle at each budget: its recall is the ceiling"
+    )
     args = ap.parse_args(argv)
     import torch
     from icecache import models
@@ -108,7 +162,7 @@ def main(argv=None) -> int:
         (score,) = data.score_task(args.task, [text], [sample.outputs])
         print(f"\n### {args.task} {args.length} #{sample.index}: full cache scores {score:.0f} ({text[:80]!r})")
         print(
-            "| options | budget | look-ahead | tokens it would choose otherwise | margin there, full cache / IceCache "
+            "| options | budget | look-ahead | tokens it would choose otherwise | margin there, full / this cache "
             "| recall there, mean (lowest layer) | recall over the answer, mean | lowest layers over the answer |"
         )
         print("|---|---|---|---|---|---|---|---|")
@@ -121,21 +175,17 @@ def main(argv=None) -> int:
             chosen, margins = teacher_forced(model, cache, answer)
             layers = [x for x in cache.layers if isinstance(x, IceLayer)]
             rec = recalls_by_layer(cache.stats, len(layers), len(chosen))
-            differ = [i for i, (c, a) in enumerate(zip(chosen, answer[1:])) if c != a]
-            mean = rec.mean(0)
-            worst = np.argsort(mean)[:3]
-            low = ", ".join(f"{layers[j].layer_idx}: {mean[j]:.3f}" for j in worst)
-            if not differ:
-                at, there, margin = "none", "-", "-"
-            else:
-                i, r = differ[0], rec[differ[0]]
-                full, ice = tok.decode([answer[i + 1]]), tok.decode([chosen[i]])
-                at = f"{len(differ)}; first: token {i + 1}, {full!r} -> {ice!r}"
-                there = f"{r.mean():.3f} ({layers[int(r.argmin())].layer_idx}: {r.min():.3f})"
-                margin = f"{full_margins[i]:.3f} / {margins[i]:.3f}"
             named = ", ".join(f"{k}={v}" for k, v in variant.items()) or "defaults"
-            print(f"| {named} | {budget} | {lookahead} | {at} | {margin} | {there} | {rec.mean():.3f} | {low} |")
+            layer_ids = [x.layer_idx for x in layers]
+            print(row(named, budget, lookahead, answer, chosen, margins, full_margins, rec, layer_ids, tok))
             del cache
+        if args.oracle:
+            for budget in args.budgets:
+                settings = RulerSettings(full_layers=args.full_layers)
+                chosen, margins, rec, layer_ids = oracle_recalls(model, prefix, answer, settings, budget)
+                print(
+                    row("oracle (exact top-k)", budget, "-", answer, chosen, margins, full_margins, rec, layer_ids, tok)
+                )
     return 0
 
 
