@@ -222,8 +222,8 @@ class Calibration:
 class HeadForest:
     """One tree per KV head of one layer of one sequence, with the leaf cells of an M-DCI tree
     over the keys laid out as **semantic pages**: runs of at most ``page_size`` tokens whose keys
-    are close (each leaf cell is cut along its principal axes into full pages and at most one
-    part-filled one).
+    are close (the leaf cells are refined by three k-means steps, then each is cut along its
+    principal axes into full pages and at most one part-filled one).
 
     ``keys`` is ``[H_kv, n, d]`` (float32, float16, or bfloat16 as a ``uint16`` view). Token ``i``
     of every head has position ``i``; inserted tokens continue at ``n, n + 1, ...``.

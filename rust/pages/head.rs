@@ -5,7 +5,8 @@
 //! when the stores hold 16-bit rows, in a code store of its own (`own`). Everything else is
 //! small:
 //! - **leaf cells**: sets of whole pages. A bulk build makes them as the leaf cells of an M-DCI
-//!   tree over the keys, each cut into pages; decode-time keys join the cell nearest them;
+//!   tree over the keys, refined by a few k-means steps (`cells`), each cut into pages;
+//!   decode-time keys join the cell nearest them;
 //! - **the tree**: an M-DCI index ([`DciIndex`]) over the cells, cell `i` its point `i`, at
 //!   the mean of its keys in `T_K` space: `[r / c, e]` with `r` the keys' centroid and `e` their
 //!   mean extra coordinate `sqrt(1 - |k|² / c²)`. A query `[q, 0]` ranks cells by `q · r`; a new
@@ -21,6 +22,7 @@ use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use rayon::prelude::*;
 
+use super::cells::{refine_cells, REFINE_STEPS};
 use super::int8::{self, PageCodes};
 use super::split::{split_pages, SplitScratch};
 use super::{Elem, Format, Store};
@@ -197,11 +199,12 @@ impl HeadPages {
         let keys = index.built_keys();
         let key = |t: u32| &keys[t as usize * d..(t as usize + 1) * d];
         // After `build_positions` a slot is its position.
-        let leaves: Vec<&[u32]> = index.leaf_cells().map(|(_, members)| members).collect();
+        let mut leaves: Vec<Vec<u32>> = index.leaf_cells().map(|(_, members)| members.to_vec()).collect();
+        refine_cells(&mut leaves, &key, d, REFINE_STEPS)?;
         let mut split: Vec<Vec<Vec<u32>>> = leaves
             .par_iter()
             .map_init(SplitScratch::default, |scratch, members| {
-                let mut tokens = members.to_vec();
+                let mut tokens = members.clone();
                 let (mut groups, mut sums) = (Vec::new(), Vec::new());
                 split_pages(&mut tokens, &key, d, page_size, &mut groups, &mut sums, scratch);
                 groups

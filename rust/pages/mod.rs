@@ -8,6 +8,7 @@
 //! K pages beside 4-bit V pages (`[H_kv, P, value4::page_bytes(page_size, d)]` bytes, see
 //! [`value4`]); owned by the caller, this module writes them but never allocates them.
 
+mod cells;
 mod fingerprint;
 mod head;
 pub mod int8;
