@@ -8,14 +8,12 @@
 use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::index::{Config, DciIndex, Metric, Scratch};
+use crate::index::{Config, DciIndex, Metric};
 use crate::input::KeyData;
 use crate::simd;
 
 /// Cells a key may move to besides its own: the nearest centroids to its cell's.
 const NEIGHBOURS: usize = 8;
-/// Cells up to which `nearest_cells` compares every pair (about 51k keys in cells of 100).
-const EXACT_MAX: usize = 512;
 /// Lloyd iterations of a build. Three kept both RULER answers that Gemma-3-270M lost at 16k and
 /// budget 256 (teacher-forced), and raised attention recall on held-out SmolLM2 prose and code;
 /// each costs about a fifth of the build's own time (benches/RESULTS.md).
@@ -23,7 +21,8 @@ pub(crate) const REFINE_STEPS: usize = 3;
 
 /// Refines `cells` (lists of keys, `key(t)` giving key `t`'s `d` floats) by at most `iters`
 /// Lloyd iterations in Euclidean key space: each key moves to the nearest centroid among its
-/// cell's and its cell's `NEIGHBOURS` nearest; cells left empty are dropped. Deterministic: the
+/// cell's and its cell's `NEIGHBOURS` nearest; cells left empty are dropped. More than
+/// `EXACT_MAX` cells are left as they are. Deterministic: the
 /// result depends only on the cells and keys (members stay in ascending order).
 pub(crate) fn refine_cells<'k>(
     cells: &mut Vec<Vec<u32>>,
@@ -82,42 +81,21 @@ pub(crate) fn refine_cells<'k>(
     Ok(())
 }
 
-/// The `m` cells whose centroids (`[C, d]`) are nearest each cell's: every pair compared up to
-/// `EXACT_MAX` cells, a DCI search over the centroids beyond (pairs are quadratic in the cells:
-/// 5,000 of them at 512k keys). The exact neighbours are what the quality figures measured; a
-/// DCI search with effort 1 found worse ones at 16k (both lost RULER answers stayed lost).
+/// The `m` cells whose centroids (`[C, d]`) are nearest each cell's, by a DCI search over the
+/// centroids (comparing every pair would be quadratic in the cells: 5,000 of them at 512k keys).
 fn nearest_cells(centroids: &[f32], d: usize, m: usize) -> Result<Vec<Vec<usize>>> {
     let cells = centroids.len() / d;
-    let centroid = |c: usize| &centroids[c * d..(c + 1) * d];
-    if cells <= EXACT_MAX {
-        return Ok((0..cells)
-            .into_par_iter()
-            .map(|c| {
-                let mut dist: Vec<(f32, usize)> =
-                    (0..cells).filter(|&o| o != c).map(|o| (simd::sq_dist(centroid(c), centroid(o)), o)).collect();
-                dist.select_nth_unstable_by(m - 1, |a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-                dist.truncate(m);
-                dist.into_iter().map(|(_, o)| o).collect()
-            })
-            .collect());
-    }
     let mut cfg = Config::new(d, Metric::L2);
     cfg.seed = Some(0x6365_6c6c);
     let mut near = DciIndex::new(cfg)?;
     let ids: Vec<i64> = (0..cells as i64).collect();
     near.add(KeyData::F32(centroids), Some(&ids))?;
-    let want = (m + 1).min(near.len());
-    Ok(centroids
-        .par_chunks_exact(d)
+    let want = (m + 1).min(cells);
+    let (found, _) = near.query(KeyData::F32(centroids), want, None, false)?;
+    Ok(found
+        .chunks_exact(want)
         .enumerate()
-        .map_init(
-            || (Scratch::default(), Vec::new()),
-            |(s, found), (c, point)| {
-                found.clear();
-                near.search_into(point, want, 1.0, s, found);
-                found.iter().map(|&(id, _)| id as usize).filter(|&o| o != c).take(m).collect()
-            },
-        )
+        .map(|(c, row)| row.iter().map(|&o| o as usize).filter(|&o| o != c).take(m).collect())
         .collect())
 }
 
@@ -142,6 +120,21 @@ mod tests {
         all.sort_unstable();
         assert_eq!(all, (0..40).collect::<Vec<_>>());
         assert_eq!(cells, vec![(0..20).collect::<Vec<u32>>(), (20..40).collect()]);
+    }
+
+    /// On points along a line the searched neighbours are the exact nearest, never the cell itself.
+    #[test]
+    fn neighbours_are_the_nearest_other_cells() {
+        let (d, cells, m) = (3, 600, 8);
+        let centroids: Vec<f32> = (0..cells).flat_map(|i| [i as f32, ((i * 7) % 3) as f32 * 0.01, 0.0]).collect();
+        let near = nearest_cells(&centroids, d, m).unwrap();
+        let mut close = 0;
+        for (c, list) in near.iter().enumerate() {
+            assert_eq!(list.len(), m);
+            assert!(!list.contains(&c));
+            close += list.iter().filter(|&&o| o.abs_diff(c) <= m).count();
+        }
+        assert!(close * 100 >= cells * m * 99, "{close} of {} near", cells * m);
     }
 
     #[test]
