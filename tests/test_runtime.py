@@ -1546,7 +1546,9 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
     Greedy decoding with the full cache gives 64 tokens; IceCache (budget 256) is fed the same
     tokens and must predict >= 95% of them, and all of the planted line's completion (so its
     own greedy decoding retrieves the line whenever the full cache does), with look-ahead and
-    with fresh selection; look-ahead agrees at most one point less than fresh selection."""
+    with fresh selection; look-ahead agrees at most one token less than fresh selection (64
+    tokens resolve 1.6 points: one token is the finest tolerance there is), and its attention
+    recall is within 0.005 of fresh selection's."""
     from icecache import demo
 
     model, tokenizer = smollm2
@@ -1571,7 +1573,7 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
     assert answer.strip().startswith(prompt.expected.strip()), answer  # the task is solvable
 
     answer_tokens = len(tokenizer(prompt.expected, add_special_tokens=False).input_ids)
-    agree = {}
+    agree, recall = {}, {}
     for lookahead in (True, False):
         t1 = time.perf_counter()
         cfg = IceCacheConfig(budget=256, lookahead=lookahead, exact_until_indexed=False)
@@ -1588,6 +1590,7 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
         stats = cache.stats
         record_property(f"agreement {name}", agree[lookahead])
         record_property(f"recall {name}", stats.recall)
+        recall[lookahead] = stats.recall
         loaded = stats.pages_loaded / stats.pages_selected
         print(
             f"\nSmolLM2 {n}-token prompt, budget 256, {name}: greedy agreement {agree[lookahead]:.1%} of 64 "
@@ -1596,7 +1599,8 @@ def test_smollm2_budget_256_agrees_with_full_cache_and_retrieves(smollm2, record
         )
         assert predicted[:answer_tokens] == full[:answer_tokens].tolist(), f"planted line not retrieved ({name})"
         assert agree[lookahead] >= 0.95
-    assert agree[True] >= agree[False] - 0.01, "look-ahead agrees more than one point less than fresh selection"
+    assert agree[True] >= agree[False] - 1 / 64, "look-ahead agrees more than one token less than fresh selection"
+    assert recall[True] >= recall[False] - 0.005, "look-ahead's attention recall is short of fresh selection's"
 
 
 def test_smollm2_effort_auto_calibrates_every_layer_and_stays_exact(smollm2):
