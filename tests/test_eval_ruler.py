@@ -46,8 +46,10 @@ def test_generation_is_deterministic_and_cached(tokenizer, niah, sample_dir, tmp
     assert len(niah) == 2 and all(s.length <= LENGTH and s.chat for s in niah)
     assert niah[0].input.startswith("<s>[user] A special magic number is hidden")  # chat template, RULER's text
     assert niah[0].input.endswith("[assistant] The special magic number for " + niah[0].input.split(" for ")[-1])
-    again = data.generate_samples("niah_single_1", LENGTH, tokenizer, 2, seed=42, cache_dir=tmp_path)
-    assert again == niah  # a fresh generation, in another cache, is the same
+    # A fresh generation, in another cache given as a relative path, is the same.
+    monkeypatch.chdir(tmp_path.parent)
+    again = data.generate_samples("niah_single_1", LENGTH, tokenizer, 2, seed=42, cache_dir=tmp_path.name)
+    assert again == niah
     # A rerun reads the cache: it does not run a generator.
     monkeypatch.setattr(data.subprocess, "run", lambda *a, **k: pytest.fail("generated again"))
     assert data.generate_samples("niah_single_1", LENGTH, tokenizer, 2, seed=42, cache_dir=sample_dir) == niah

@@ -262,7 +262,8 @@ def generate_samples(
     spec = task_spec(task)
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-    root = Path(cache_dir) if cache_dir is not None else default_ruler_cache_dir()
+    # Absolute: the generator runs in its own directory and takes the tokenizer's path.
+    root = (Path(cache_dir).expanduser() if cache_dir is not None else default_ruler_cache_dir()).resolve()
     tok_dir, tok_key = _tokenizer_dir(tokenizer, root / "tokenizers")
     template, chat = prompt_template(spec, tokenizer)
     key = dict(
