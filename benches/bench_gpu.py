@@ -359,7 +359,8 @@ def ice_options(name: str) -> dict:
     """IceCacheConfig options of a variant named ``ice`` followed by any of ``-native``, ``-int8``,
     ``-k8v4`` (the page format), ``-gv`` / ``-ov`` (group view on / one view per query head), ``-wait`` (no bridge:
     the first step waits for the index; the prompt's device copy is freed once copied), ``-rN``
-    (refresh N), ``-eX`` (effort X), ``-tN`` (N index threads), ``-inline`` (every staging copy at
+    (refresh N), ``-eX`` (effort X), ``-tN`` (N index threads), ``-layers`` (``step_graph=False``: each
+    IceCache layer from its own CUDA graphs, the rest of the model eagerly), ``-inline`` (every staging copy at
     its layer's own step, none started early: ``LayerJobs.upload_ahead`` off, for comparison; not
     a config option); empty for any other name."""
     parts = name.split("-")
@@ -373,6 +374,8 @@ def ice_options(name: str) -> dict:
             options["group_view"] = part == "gv"
         elif part == "wait":
             options["exact_until_indexed"] = False
+        elif part == "layers":
+            options["step_graph"] = False
         elif part == "inline":
             options["inline"] = True
         elif part[:1] in ("r", "t") and part[1:].isdigit():
@@ -673,6 +676,9 @@ def main(argv=None) -> int:
                 # Layer steps whose staging copy ran early on the copy stream (in the TPOT rounds).
                 v["copied_ahead"] = s.copies_ahead / s.layer_steps
                 log(f"{n}: {name}: staging copied ahead in {v['copied_ahead']:.1%} of layer steps")
+                sg = cache.step_graph
+                v["step_graph_replays"] = sg.replays
+                log(f"{n}: {name}: step graph: {sg.steps} steps, {sg.replays} replayed, {sg.captures} graphs captured")
                 if args.profile_steps < 1:
                     continue
                 cache.runtime.stats = RuntimeStats()

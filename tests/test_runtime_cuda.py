@@ -144,7 +144,7 @@ def test_cuda_copies_ahead_change_nothing(page_format, reuse, pool_checks):  # n
     ids, mask = _padded_batch()
     runs, ahead = [], []
     for linked in (True, False):
-        cache = IceCache(_paging_config(reuse=reuse, page_format=page_format), model)
+        cache = IceCache(_paging_config(reuse=reuse, page_format=page_format, step_graph=False), model)
         if not linked:
             for layer in ice_layers(cache):
                 layer.next_layer = None
@@ -161,7 +161,7 @@ def test_cuda_quantised_pages_dequantise_on_the_device(reuse, page_format, pool_
     bf16 pool exactly as the CPU reads the store (``PageStore.tokens``), also from CUDA graphs."""
     model = tiny_model("llama").cuda().to(torch.bfloat16)
     ids, mask = _padded_batch()
-    cache = IceCache(_paging_config(reuse=reuse, page_format=page_format), model)
+    cache = IceCache(_paging_config(reuse=reuse, page_format=page_format, step_graph=False), model)
     logits = run_steps(model, ids, cache, 100, attention_mask=mask)
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
@@ -378,3 +378,34 @@ def test_cuda_second_chunked_prompt_reuses_the_first_ones_pinned_blocks():
     assert {b.data_ptr() for blocks in pinned._free.values() for b in blocks} <= blocks
     want = run_steps(model, second, IceCache(cfg, model), 4, chunk=64)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("page_format", ["native", "int8"])
+def test_cuda_step_graph_decodes_as_the_eager_path(page_format):
+    """Whole decode steps replayed from one CUDA graph each (every layer: the full layer in its
+    fixed storage, each IceCache layer's device step; the host's work around the replay) decode
+    as eager steps do, over a generation with inserts, evictions and reloads, at batch 1 and at
+    a left-padded batch of 2; after a reset and a batch-size change the graphs are captured again."""
+    model = tiny_model("llama").cuda()
+    ids, mask = _padded_batch()
+    single = ids[:1]
+    cache = IceCache(_paging_config(page_format=page_format), model)
+    for prompt, pmask in ((single, None), (ids, mask), (single, None)):
+        eager = run_steps(
+            model,
+            prompt,
+            IceCache(_paging_config(page_format=page_format, step_graph=False), model),
+            100,
+            attention_mask=pmask,
+        )
+        with torch.inference_mode():
+            cache.reset()
+        got = run_steps(model, prompt, cache, 100, attention_mask=pmask)
+        graph = cache.step_graph
+        assert graph.steps == 99 and graph.replays == 99 and 1 <= graph.captures <= 6, (
+            graph.steps,
+            graph.replays,
+            graph.captures,
+        )
+        assert torch.equal(got.argmax(-1), eager.argmax(-1))
+        torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)

@@ -14,6 +14,7 @@ from icecache.runtime.integration import enable
 from icecache.runtime.layer import IceLayer
 from icecache.runtime.parallel import HeadShard, head_shard, rank_config
 from icecache.runtime.runtime import Runtime, RuntimeStats
+from icecache.runtime.stepgraph import StaticFullLayer, StepGraph, install
 
 __all__ = ["IceCache", "SUPPORTED_MODEL_TYPES"]
 
@@ -77,7 +78,9 @@ class IceCache(Cache):
     (transformers 5.24 renamed ``past_key_values`` to ``cache``; the old name still works.)
 
     Constructing it switches ``model`` to the ``"icecache"`` attention implementation
-    (:func:`icecache.runtime.enable`), which is plain SDPA for any other cache. One cache
+    (:func:`icecache.runtime.enable`), which is plain SDPA for any other cache, and routes
+    its decoder's one-token forwards with an IceCache through that cache's step graph (one CUDA
+    graph per decode step, :mod:`icecache.runtime.stepgraph`). One cache
     serves one ``generate`` (or one prompt forward followed by one-token forwards); call
     :meth:`reset` to reuse it. The prompt may come in chunks (``generate(...,
     prefill_chunk_size=N)``, or forwards of several tokens before the first one-token forward);
@@ -133,7 +136,10 @@ class IceCache(Cache):
             layer.next_layer = after
         self.runtime.served_layers = len(ice)
         super().__init__(layers=layers)
+        #: Decode steps from one CUDA graph each (``config.step_graph``).
+        self.step_graph = StepGraph(self)
         enable(model)
+        install(model)
         generation = getattr(model, "generation_config", None)
         if config.prefill_chunk is not None and generation is not None and generation.prefill_chunk_size is None:
             generation.prefill_chunk_size = config.prefill_chunk
@@ -212,6 +218,8 @@ class IceCache(Cache):
             if isinstance(layer, IceLayer):
                 for key, value in layer.nbytes().items():
                     total[key] += value
+            elif isinstance(layer, StaticFullLayer):
+                total["device"] += layer.nbytes()
             elif isinstance(layer, CacheLayerMixin) and layer.is_initialized and layer.keys is not None:
                 total["device"] += 2 * layer.keys.numel() * layer.keys.element_size()
         return total
@@ -221,6 +229,7 @@ class IceCache(Cache):
         still running for the old prompt (indexing, look-ahead jobs) is waited for or
         cancelled, and its errors are forgotten."""
         self.runtime.wait_indexed(errors=False)
+        self.step_graph.forget()
         for layer in self.layers:
             if isinstance(layer, DynamicLayer) and layer.is_initialized:
                 # Dropped, not zeroed: transformers before 5.24 zeroes a dynamic layer's tensors

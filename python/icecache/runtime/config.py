@@ -131,6 +131,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], Optional[str]]] = {
     "successors": _non_negative_int,
     "refresh": _non_negative_int,
     "cuda_graphs": _bool,
+    "step_graph": _bool,
     "pool_pages": _optional(_non_negative_int),
     "effort": _effort,
     "group_view": _bool,
@@ -205,6 +206,10 @@ class IceCacheConfig:
             host's work at a quality cost (section "Quality of the cheaper selections").
         cuda_graphs: with look-ahead on CUDA, replay each layer's ranking and attention from
             CUDA graphs captured at the first steps, so a step launches a few kernels per layer.
+        step_graph: with ``cuda_graphs``, replay each whole decode step (every layer of the
+            model's decoder) from one CUDA graph where the model allows
+            (:mod:`icecache.runtime.stepgraph`: no sliding-window layers; the first steps and
+            any other step run eagerly, each IceCache layer from its own graphs).
         pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
             across steps until evicted (least recently selected first). Default with
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
@@ -266,6 +271,7 @@ class IceCacheConfig:
     successors: int = 32
     refresh: int = 1
     cuda_graphs: bool = True
+    step_graph: bool = True
     pool_pages: Optional[int] = None
     effort: Union[float, Literal["auto"]] = 1.0
     group_view: bool = False

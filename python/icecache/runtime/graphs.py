@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-__all__ = ["capture", "release_retired", "retire_with"]
+__all__ = ["capture", "release_retired", "retire", "retire_with"]
 
 _lock = threading.RLock()
 _retired: List[Any] = []
@@ -42,6 +42,12 @@ def retire_with(owner: object, graphs: Dict[Any, Any]) -> None:
     until the next :func:`release_retired` instead of destroying them then (which may be in the
     middle of another capture)."""
     weakref.finalize(owner, _retired.append, graphs)
+
+
+def retire(graphs: Dict[Any, Any]) -> None:
+    """Empty ``graphs`` now and destroy its graphs at the next :func:`release_retired`."""
+    _retired.append(dict(graphs))
+    graphs.clear()
 
 
 def release_retired() -> None:

@@ -16,7 +16,9 @@ thread-local slot, and the attention function takes it from there:
   also keeps the prompt's last queries, to calibrate its index on);
 - an IceCache layer in a decode step: sparse attention over sink + selected pages + window;
   while the indexes are still being built (``IceCacheConfig.exact_until_indexed``), SDPA over
-  the layer's whole cache, as for a full cache.
+  the layer's whole cache, as for a full cache;
+- a full-cache layer in a step graph (:class:`icecache.runtime.stepgraph.StaticFullLayer`, which
+  hands itself over there): SDPA over its whole storage under its mask of written positions.
 
 The mask function is transformers' ``sdpa_mask`` (without a registered mask function,
 transformers silently passes ``attention_mask=None`` and padding would be ignored), except for
@@ -119,6 +121,12 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layer = _take(module)
+    key_mask = getattr(layer, "key_mask", None)
+    if key_mask is not None:  # a full layer in a step graph: its whole storage, under its mask
+        with sdpa_kernel(_DECODE_BACKENDS):
+            return sdpa_attention_forward(
+                module, query, key, value, key_mask[:, None, None, :], dropout=dropout, scaling=scaling, **kwargs
+            )
     if isinstance(attention_mask, ChunkMask):
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
             raise ValueError("IceCache's chunked prefill does not support attention logit soft-capping or sinks")

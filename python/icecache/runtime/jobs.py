@@ -228,7 +228,7 @@ class LayerJobs:
             raise RuntimeError(f"IceCache layer {self.layer_idx} has not started decoding")
         return self.lookahead
 
-    def start(self, flushed: List[int], query: torch.Tensor, now: bool) -> None:
+    def start(self, flushed: List[int], query: Optional[torch.Tensor], now: bool) -> None:
         """Start the job that prepares the next step, with the tokens the window ``flushed``
         since the last job: run now (``now``: fresh selection, or the first step; its queries
         are copied here) or queued until the flag that the device step writes behind this
@@ -241,6 +241,8 @@ class LayerJobs:
             self._reserve(flushed, most)
         lens = self._history_lens()
         if now:
+            if query is None:
+                raise ValueError("a job that runs now needs the step's queries")
             bufs.queries.copy_(query)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()

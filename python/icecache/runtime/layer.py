@@ -9,11 +9,13 @@ host side with its look-ahead jobs (:mod:`.jobs`), the bridge while the indexes 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from icecache import _core
 from icecache.runtime.bridge import Bridge
 from icecache.runtime.config import CALIBRATION_POSITIONS
 from icecache.runtime.hostmem import bytes_per_token
@@ -27,6 +29,20 @@ from icecache.runtime.step import DeviceStep
 from icecache.runtime.window import DeviceWindow
 
 __all__ = ["IceLayer"]
+
+
+@dataclass
+class _Before:
+    """The host's part of a decode step before the device's: the job's outcome, the pages the
+    step attends, the pool slots to keep (fresh selection) and the timestamps around the wait
+    and the copy."""
+
+    outcome: _core.LookAheadOutcome
+    pages: int
+    keep: Optional[torch.Tensor]
+    t0: float
+    t1: float
+    t2: float
 
 
 class IceLayer(CacheLayerMixin):
@@ -101,6 +117,10 @@ class IceLayer(CacheLayerMixin):
         self._q_last: List[Optional[torch.Tensor]] = []
         self._device_step: Optional[DeviceStep] = None
         self._step_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        # A step graph's step (step_before to step_after): the host's part, and the page count
+        # that the graph was captured with.
+        self._graph_before: Optional[_Before] = None
+        self._graph_pages: Optional[int] = None
 
     # ------------------------------------------------------------------ transformers API
 
@@ -131,6 +151,10 @@ class IceLayer(CacheLayerMixin):
         prompt of every IceCache layer (:meth:`_finish_prompts`).
         """
         T = key_states.shape[-2]
+        if self.runtime.in_step_graph:  # the host's part ran before the step graph (step_before)
+            self._step_kv = (key_states[:, :, 0], value_states[:, :, 0])
+            hand_off(self)
+            return key_states, value_states
         if not self.is_initialized:
             self._check_host_memory(key_states, T, streamed=False)
             self.lazy_initialization(key_states, value_states)
@@ -450,16 +474,52 @@ class IceLayer(CacheLayerMixin):
         """Attention of this step's query ``[B, H_q, 1, D]`` over sink + pages + window;
         returns ``[B, 1, H_q, D]`` as transformers expects."""
         rt, cfg = self.runtime, self.runtime.config
-        stats, jobs, w = rt.stats, self.jobs, self.window
         q = query[:, :, 0].to(self.device)
+        if self._step_kv is None:
+            raise RuntimeError(f"IceCache layer {self.layer_idx}: attention without its update")
+        k, v = self._step_kv
+        if rt.in_step_graph:  # the host's part ran before the step graph (step_before)
+            if self._device_step is None or self._graph_pages is None:
+                raise RuntimeError(f"IceCache layer {self.layer_idx}: a step graph's attention without step_before")
+            return self._device_step.inline(q, k, v, self._graph_pages)[:, None]
         if self._device_step is None:
             self._device_step = self._open_device_step(q.shape[1], scale)
         t0 = rt.tick()
-        if not cfg.lookahead or jobs.steps == 0:
-            jobs.start(w.hand_to_job(), q, now=True)
-        outcome = jobs.wait()
+        if not cfg.lookahead or self.jobs.steps == 0:
+            self.jobs.start(self.window.hand_to_job(), q, now=True)
+        before = self._before_device_step(t0)
+        staged = (before.outcome.loads, before.outcome.loads + before.outcome.clears)
+        out, res = self._device_step(q, k, v, before.pages, staged, keep=before.keep, want_lse=rt.track_recall)
+        t3 = rt.tick()
+        if rt.track_recall:
+            if res is None:
+                raise RuntimeError("recall tracking needs the device step's full result")
+            track_recall(
+                q,
+                res,
+                before.outcome,
+                pages=before.pages,
+                scale=scale,
+                window=self.window,
+                jobs=self.jobs,
+                pool_valid=self.pool_valid,
+                lookahead=cfg.lookahead,
+                stats=rt.stats,
+            )
+            rt.stats.recall_s += time.perf_counter() - t3
+        self._after_device_step(before, q, t3)
+        if self.next_layer is not None:
+            self.next_layer.jobs.upload_ahead()
+        return out[:, None].to(query.device)
+
+    def _before_device_step(self, t0: float) -> _Before:
+        """The host's part of a decode step before the device's (from ``t0``): the job's
+        outcome, its staging copied to the device, the window's inserted tokens dropped, and
+        the step's page count."""
+        rt, cfg, w = self.runtime, self.runtime.config, self.window
+        outcome = self.jobs.wait()
         t1 = rt.tick()
-        table = jobs.upload(outcome, fresh=not cfg.lookahead)
+        table = self.jobs.upload(outcome, fresh=not cfg.lookahead)
         w.drop_flushed()
         t2 = rt.tick()
         keep = None
@@ -469,43 +529,61 @@ class IceLayer(CacheLayerMixin):
             keep = keep[..., :-1]
         # The budget: sink + window (+ a flushed page still attended) + pages.
         pages = max(0, min(cfg.retrieved_pages, (cfg.budget - max(w.sink_len) - max(w.win_len)) // cfg.page_size))
-        if self._step_kv is None:
-            raise RuntimeError(f"IceCache layer {self.layer_idx}: attention without its update")
-        k, v = self._step_kv
-        staged = (outcome.loads, outcome.loads + outcome.clears)
-        out, res = self._device_step(q, k, v, pages, staged, keep=keep, want_lse=rt.track_recall)
-        t3 = rt.tick()
-        if rt.track_recall:
-            if res is None:
-                raise RuntimeError("recall tracking needs the device step's full result")
-            track_recall(
-                q,
-                res,
-                outcome,
-                pages=pages,
-                scale=scale,
-                window=w,
-                jobs=jobs,
-                pool_valid=self.pool_valid,
-                lookahead=cfg.lookahead,
-                stats=stats,
-            )
-            stats.recall_s += time.perf_counter() - t3
-        if cfg.lookahead:
-            jobs.start(w.hand_to_job(), q, now=False)
-        if self.next_layer is not None:
-            self.next_layer.jobs.upload_ahead()
+        return _Before(outcome, pages, keep, t0, t1, t2)
 
+    def _after_device_step(self, before: _Before, q: Optional[torch.Tensor], t3: float) -> None:
+        """The host's part after the device's: the next step's job (look-ahead) and the counters."""
+        stats, o = self.runtime.stats, before.outcome
+        if self.runtime.config.lookahead:
+            self.jobs.start(self.window.hand_to_job(), q, now=False)
         stats.layer_steps += 1
-        stats.wait_s += t1 - t0
-        stats.copy_s += t2 - t1
-        stats.attend_s += t3 - t2
-        stats.worker_insert_s += outcome.insert_s
-        stats.worker_select_s += outcome.select_s
-        stats.worker_gather_s += outcome.gather_s
-        stats.pages_selected += outcome.selected
-        stats.pages_loaded += outcome.loads
-        return out[:, None].to(query.device)
+        stats.wait_s += before.t1 - before.t0
+        stats.copy_s += before.t2 - before.t1
+        stats.attend_s += t3 - before.t2
+        stats.worker_insert_s += o.insert_s
+        stats.worker_select_s += o.select_s
+        stats.worker_gather_s += o.gather_s
+        stats.pages_selected += o.selected
+        stats.pages_loaded += o.loads
+
+    # ------------------------------------------------------------------ the step graph
+
+    @property
+    def graph_ready(self) -> bool:
+        """Whether this layer's decode steps can run in a step graph (:mod:`.stepgraph`): with
+        look-ahead, past its first decode step and its bridge, without recall tracking."""
+        return (
+            self.decoding
+            and self.bridge is None
+            and self._device_step is not None
+            and self.jobs.steps > 0
+            and self.runtime.config.lookahead
+            and not self.runtime.track_recall
+        )
+
+    @property
+    def device_step(self) -> Optional[DeviceStep]:
+        """The device side of the decode steps (made at the first one)."""
+        return self._device_step
+
+    def step_before(self) -> int:
+        """Before a step graph's replay: what ``update`` and ``attend`` do on the host before
+        the device's work (the token counted into the window, the job's pages staged); returns
+        the pages the step attends (the graph is captured per count)."""
+        t = time.perf_counter()
+        self.window.append(self.jobs.buffers())
+        self.length += 1
+        self.runtime.stats.update_s += time.perf_counter() - t
+        self._graph_before = self._before_device_step(self.runtime.tick())
+        self._graph_pages = self._graph_before.pages
+        return self._graph_pages
+
+    def step_after(self) -> None:
+        """After a step graph's replay: what ``attend`` does on the host after the device's work."""
+        if self._graph_before is None:
+            raise RuntimeError(f"IceCache layer {self.layer_idx}: step_after without step_before")
+        before, self._graph_before = self._graph_before, None
+        self._after_device_step(before, None, self.runtime.tick())
 
     def nbytes(self) -> dict:
         """Bytes held on the device (sink, window, page pool; the bridge's whole cache while it

@@ -107,6 +107,9 @@ class Runtime:
         #: Synchronise the device at every timing boundary so that the breakdown in :attr:`stats`
         #: is device time, not launch time (slower; for benchmarks).
         self.sync_timing = False
+        #: Set while a step graph's forward runs (captured, or eagerly as its reference): the
+        #: layers' host work ran before it (:mod:`icecache.runtime.stepgraph`).
+        self.in_step_graph = False
         #: The prefill's reused host buffer for device-to-host copies on the index worker.
         self.transit = Transit(device)
         #: The pinned host blocks of chunked prompts, kept for the next prompt (the process's).

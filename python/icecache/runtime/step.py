@@ -189,11 +189,27 @@ class DeviceStep:
         res = self._ops(pages, keep, want_lse, staged)
         return res.out, res
 
+    def inline(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: int) -> torch.Tensor:
+        """The step as it runs inside a larger CUDA graph (a step graph of the whole model,
+        :mod:`icecache.runtime.stepgraph`), or eagerly as its reference: every staging entry
+        applied, as in this layer's own graphs; returns the output ``[B, H_q, D]``."""
+        torch._foreach_copy_([self.query, self.kv[0], self.kv[1]], [query, key, value])
+        return self._ops(pages).out
+
+    def saved_state(self) -> list:
+        """Copies of the device state a step advances (window, step counter), for
+        :meth:`restore_state` after warm-up runs."""
+        return [t.clone() for t in (self.dense_kv, self.dense_valid, self.window_at, self.counter)]
+
+    def restore_state(self, saved: list) -> None:
+        """Put back the state of :meth:`saved_state`."""
+        for t, s in zip((self.dense_kv, self.dense_valid, self.window_at, self.counter), saved):
+            t.copy_(s)
+
     def _capture(self, pages: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm-up runs (outside the capture: library workspaces) write the window and count:
         # put that state back afterwards. Their page loads repeat the step's own.
-        state = (self.dense_kv, self.dense_valid, self.window_at, self.counter)
-        saved = [t.clone() for t in state]
+        saved = self.saved_state()
         try:
             side = torch.cuda.Stream(self.query.device)
             side.wait_stream(torch.cuda.current_stream())
@@ -205,7 +221,6 @@ class DeviceStep:
             with capture(graph, pool=self._pool):
                 out = self._ops(pages).out
         finally:
-            for t, s in zip(state, saved):
-                t.copy_(s)
+            self.restore_state(saved)
         self._graphs[pages] = (graph, out)
         return self._graphs[pages]

@@ -1,0 +1,357 @@
+"""One CUDA graph per decode step: the whole decoder, the IceCache layers included.
+
+Eager, a decode step of a model is a few thousand kernel launches issued from Python, and on a
+slow host that, not the GPU, sets the time per token: the full cache is host-bound too, and
+IceCache's per-layer host work comes on top. A step graph captures the decoder's forward for
+one token, every layer of it, and replays it. The host does IceCache's per-layer host work
+for all layers around the replay:
+
+- before it, per IceCache layer in order: the token counted into the window (a full window's
+  oldest page copied to the flush buffers), the look-ahead job's outcome waited for, its
+  staging copied to the device, and the tokens that job inserted dropped from the window;
+- after it: each layer's next job started. The worker starts a layer's job when it sees the
+  step number that the graph writes behind that layer's queries, as in eager decoding, so the
+  selections of the early layers run while the device computes the later ones.
+
+Inside the graph each IceCache layer runs its device step (:meth:`DeviceStep.inline`, the
+operations its own graphs hold), and the full-cache layers (``full_layers``) a
+:class:`StaticFullLayer`: their keys and values in storage with room to grow, written at a
+position the graph advances itself, attended under a mask of the written positions.
+
+A step runs from a step graph when: the cache is on CUDA with look-ahead, ``cuda_graphs`` and
+``step_graph`` on; the model has no sliding-window layers; the forward is one token of
+``input_ids`` with no hidden states or attentions asked for; and every IceCache layer is past
+its first decode step and its bridge (those run eagerly). Any other step runs eagerly, as does
+every step after a capture failed (with a warning). A graph is captured per (batch, room of the
+full layers, pages per IceCache layer); a full layer whose room runs out grows by
+:data:`ROOM` tokens, and the graphs are captured again.
+
+On the CPU, :attr:`StepGraph.enabled` can be set to run the same phases eagerly: the reference
+that the graph replays (a test checks it against plain eager decoding).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from icecache.runtime import graphs
+from icecache.runtime.integration import hand_off
+from icecache.runtime.layer import IceLayer
+
+__all__ = ["ROOM", "StaticFullLayer", "StepGraph", "install"]
+
+#: Tokens of room a full-cache layer grows by (its step graphs are captured again then).
+ROOM = 2048
+
+#: The names of the cache argument of a decoder's forward (transformers 5.24 renamed it).
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+class StaticFullLayer(DynamicLayer):
+    """A full-cache layer in storage with room for :data:`ROOM` more tokens, so that a step
+    graph writes and attends it at fixed shapes. Eagerly it behaves as the ``DynamicLayer`` it
+    replaces (``keys``/``values`` are views of the written tokens); in a step graph it writes
+    the token at the position :attr:`at` that the graph advances, and hands itself to the
+    ``"icecache"`` attention, which attends the whole storage under :attr:`key_mask`.
+
+    Args:
+        layer_idx: the model layer.
+        keys, values: ``[B, H, T, D]`` the layer's cache so far.
+        valid: ``[B, T]`` bool, the real (non-padding) positions, or ``None`` for all.
+    """
+
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, valid: Optional[torch.Tensor]):
+        super().__init__()
+        B, H, T, D = keys.shape
+        self.layer_idx = layer_idx
+        self.device = keys.device
+        self.length = T
+        self._k = keys.new_zeros(B, H, T + ROOM, D)
+        self._v = values.new_zeros(B, H, T + ROOM, D)
+        self._k[:, :, :T], self._v[:, :, :T] = keys, values
+        #: ``[B, capacity]`` bool: the positions that hold a real token.
+        self.key_mask = torch.zeros(B, T + ROOM, dtype=torch.bool, device=self.device)
+        self.key_mask[:, :T] = True if valid is None else valid.to(self.device, torch.bool)
+        #: ``[1]`` the position of the next token, on the device (a step graph advances it).
+        self.at = torch.full((1,), T, dtype=torch.int64, device=self.device)
+        #: Set while a step graph's forward runs.
+        self.in_graph = False
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the storage holds."""
+        return self._k.shape[2]
+
+    def make_room(self) -> bool:
+        """Grow the storage by :data:`ROOM` tokens if the next token would not fit; whether it grew."""
+        if self.length < self.capacity:
+            return False
+        n, cap = self.length, self.capacity + ROOM
+        k, v, mask = self._k, self._v, self.key_mask
+        self._k = k.new_zeros(*k.shape[:2], cap, k.shape[3])
+        self._v = v.new_zeros(*v.shape[:2], cap, v.shape[3])
+        self._k[:, :, :n], self._v[:, :, :n] = k[:, :, :n], v[:, :, :n]
+        self.key_mask = torch.zeros(mask.shape[0], cap, dtype=torch.bool, device=self.device)
+        self.key_mask[:, :n] = mask[:, :n]
+        self._views()
+        return True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.in_graph:
+            self._k.index_copy_(2, self.at, key_states)
+            self._v.index_copy_(2, self.at, value_states)
+            self.key_mask.index_fill_(1, self.at, True)
+            self.at.add_(1)
+            hand_off(self)
+            return self._k, self._v
+        if key_states.shape[-2] != 1:
+            raise NotImplementedError(
+                f"layer {self.layer_idx} got {key_states.shape[-2]} tokens after the first decode step "
+                "(speculative decoding is not supported); reset the cache for a new prompt"
+            )
+        self.make_room()
+        n = self.length
+        self._k[:, :, n : n + 1], self._v[:, :, n : n + 1] = key_states, value_states
+        self.key_mask[:, n] = True
+        self.at.fill_(n + 1)
+        self.length = n + 1
+        self._views()
+        return self.keys, self.values
+
+    def advance(self) -> None:
+        """Count the token that a step graph's replay wrote."""
+        self.length += 1
+        self._views()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def nbytes(self) -> int:
+        """Device bytes of the storage (its room included)."""
+        return 2 * self._k.numel() * self._k.element_size()
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("IceCache does not support beam search, cropping or batch reshuffling")
+
+    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+class StepGraph:
+    """The step graphs of one :class:`icecache.IceCache` (see the module docstring).
+
+    Args:
+        cache: the IceCache.
+    """
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        self.runtime = cache.runtime
+        cfg = cache.config
+        self.ice: List[IceLayer] = [layer for layer in cache.layers if isinstance(layer, IceLayer)]
+        sliding = any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+        #: Whether one-token steps run from step graphs where they can (on the CPU: eagerly,
+        #: phase by phase, as the reference of the graphs).
+        self.enabled = (
+            cfg.step_graph
+            and cfg.cuda_graphs
+            and cfg.lookahead
+            and self.runtime.device.type == "cuda"
+            and not sliding
+            and bool(self.ice)
+        )
+        #: For the current prompt: steps run in the step graph's phases, those of them replayed
+        #: from a graph, and graphs captured.
+        self.steps = 0
+        self.replays = 0
+        self.captures = 0
+        self._graphs: Dict[tuple, Tuple[Any, Any]] = {}
+        graphs.retire_with(self, self._graphs)
+        self._pool: Optional[Any] = None
+        self._inputs: Dict[str, torch.Tensor] = {}
+        # Whether the decoder's forward takes cache_position (transformers before 5.24).
+        self._cache_position: Optional[bool] = None
+
+    def forget(self) -> None:
+        """Drop the graphs and the full layers' storage (the cache is reset)."""
+        graphs.retire(self._graphs)
+        self._pool = None
+        self._inputs = {}
+        self.steps = self.replays = self.captures = 0
+        for i, layer in enumerate(self.cache.layers):
+            if isinstance(layer, StaticFullLayer):
+                self.cache.layers[i] = DynamicLayer()
+
+    def __call__(self, forward: Callable[..., Any], kwargs: Dict[str, Any]) -> Optional[Any]:
+        """The decoder's output for the step ``forward(**kwargs)``, run from a step graph; or
+        ``None`` where the step must run eagerly."""
+        if not self.enabled:
+            return None
+        ids = kwargs.get("input_ids")
+        if ids is None or ids.ndim != 2 or ids.shape[1] != 1 or kwargs.get("inputs_embeds") is not None:
+            return None
+        if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+            return None
+        if not all(layer.graph_ready for layer in self.ice):
+            return None
+        return self._step(forward, kwargs)
+
+    def _step(self, forward: Callable[..., Any], kwargs: Dict[str, Any]) -> Any:
+        fulls = self._full_layers(kwargs.get("attention_mask"))
+        if any([layer.make_room() for layer in fulls]):
+            graphs.retire(self._graphs)
+            self._pool = None
+        position = self.cache.get_seq_length()
+        static = self._static_kwargs(forward, kwargs, position)
+        pages = tuple(layer.step_before() for layer in self.ice)
+        key = (kwargs["input_ids"].shape[0], tuple(layer.capacity for layer in fulls), pages)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, forward, static, fulls)
+        if entry is None:  # the CPU, or the capture failed: this step eagerly
+            out = self._forward(forward, static, fulls)
+        else:
+            graph, out = entry
+            graph.replay()
+            self.replays += 1
+        for ice in self.ice:
+            ice.step_after()
+        for full in fulls:
+            full.advance()
+        self.steps += 1
+        return out
+
+    def _full_layers(self, attention_mask: Optional[torch.Tensor]) -> List[StaticFullLayer]:
+        """The cache's full layers, moved into :class:`StaticFullLayer` storage at their first
+        step graph (``attention_mask``: the step's ``[B, T + 1]`` padding mask, or ``None``)."""
+        out = []
+        for i, layer in enumerate(self.cache.layers):
+            if isinstance(layer, StaticFullLayer):
+                out.append(layer)
+            elif isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None:
+                T = layer.keys.shape[2]
+                valid = None if attention_mask is None else attention_mask[:, :T]
+                static = StaticFullLayer(i, layer.keys, layer.values, valid)
+                self.cache.layers[i] = static
+                out.append(static)
+        return out
+
+    def _static_kwargs(self, forward: Callable[..., Any], kwargs: Dict[str, Any], position: int) -> Dict[str, Any]:
+        """The step's inputs copied into the graph's fixed input tensors, and the forward's
+        arguments that name them."""
+        ids = kwargs["input_ids"]
+        inputs = self._inputs
+        if not inputs or inputs["input_ids"].shape != ids.shape:
+            inputs = self._inputs = {
+                "input_ids": torch.zeros_like(ids),
+                "position_ids": torch.zeros_like(ids),
+                "cache_position": torch.zeros(1, dtype=torch.int64, device=ids.device),
+            }
+        inputs["input_ids"].copy_(ids)
+        given = kwargs.get("position_ids")
+        if given is not None:
+            inputs["position_ids"].copy_(given)
+        else:
+            inputs["position_ids"].fill_(position)
+        inputs["cache_position"].fill_(position)
+        name = next(n for n in _CACHE_NAMES if kwargs.get(n) is self.cache)
+        static = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor) and k not in _CACHE_NAMES}
+        static.update(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=True)
+        static[name] = self.cache
+        static.pop("attention_mask", None)  # the full layers' key_mask and the IceCache windows' masks
+        if self._cache_position is None:
+            self._cache_position = "cache_position" in inspect.signature(forward).parameters
+        if self._cache_position:  # transformers before 5.24
+            static["cache_position"] = inputs["cache_position"]
+        return static
+
+    def _forward(self, forward: Callable[..., Any], kwargs: Dict[str, Any], fulls: List[StaticFullLayer]) -> Any:
+        """The step's forward with the layers in their step-graph role."""
+        self.runtime.in_step_graph = True
+        for layer in fulls:
+            layer.in_graph = True
+        try:
+            return forward(**kwargs)
+        finally:
+            self.runtime.in_step_graph = False
+            for layer in fulls:
+                layer.in_graph = False
+
+    def _capture(
+        self, key: tuple, forward: Callable[..., Any], kwargs: Dict[str, Any], fulls: List[StaticFullLayer]
+    ) -> Optional[Tuple[Any, Any]]:
+        """Capture the step graph for ``key``: ``None`` (and step graphs off, with a warning)
+        if the capture fails, or on the CPU, which runs the step eagerly."""
+        if self.runtime.device.type != "cuda":
+            return None
+        steps = [layer.device_step for layer in self.ice if layer.device_step is not None]
+        # A warm-up run (outside the capture: library workspaces) advances the windows, the
+        # step counters and the full layers' positions: they are put back. What it writes
+        # (the token's keys and values, the staged pages) the replay writes again.
+        states = [s.saved_state() for s in steps]
+        positions = [layer.at.clone() for layer in fulls]
+
+        def restore() -> None:
+            for s, state in zip(steps, states):
+                s.restore_state(state)
+            for layer, at in zip(fulls, positions):
+                layer.at.copy_(at)
+
+        try:
+            current = torch.cuda.current_stream(self.runtime.device)
+            side = torch.cuda.Stream(self.runtime.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                self._forward(forward, kwargs, fulls)
+            current.wait_stream(side)
+            restore()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with graphs.capture(graph, pool=self._pool):
+                out = self._forward(forward, kwargs, fulls)
+        except RuntimeError as exc:
+            restore()
+            warnings.warn(f"IceCache: step graph capture failed ({exc}); decoding eagerly from now on", stacklevel=4)
+            self.enabled = False
+            return None
+        self.captures += 1
+        self._graphs[key] = (graph, out)
+        return self._graphs[key]
+
+
+def install(model: Any) -> None:
+    """Route the one-token forwards of ``model``'s decoder (``model.get_decoder()``) that run
+    with an IceCache through that cache's :class:`StepGraph`; every other call goes to the
+    decoder's own forward unchanged. Once per model."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    if getattr(decoder, "_icecache_forward", None) is not None:
+        return
+    original = decoder.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        if not args:
+            for name in _CACHE_NAMES:
+                step_graph = getattr(kwargs.get(name), "step_graph", None)
+                if step_graph is not None:
+                    out = step_graph(original, kwargs)
+                    if out is not None:
+                        return out
+        return original(*args, **kwargs)
+
+    decoder._icecache_forward = original
+    decoder.forward = forward
