@@ -360,7 +360,8 @@ def ice_options(name: str) -> dict:
     ``-k8v4`` (the page format), ``-gv`` / ``-ov`` (group view on / one view per query head), ``-wait`` (no bridge:
     the first step waits for the index; the prompt's device copy is freed once copied), ``-rN``
     (refresh N), ``-eX`` (effort X), ``-tN`` (N index threads), ``-layers`` (``step_graph=False``: each
-    IceCache layer from its own CUDA graphs, the rest of the model eagerly), ``-inline`` (every staging copy at
+    IceCache layer from its own CUDA graphs, the rest of the model eagerly), ``-sgN`` (a step graph
+    in N segments, ``StepGraph.segments``; not a config option), ``-inline`` (every staging copy at
     its layer's own step, none started early: ``LayerJobs.upload_ahead`` off, for comparison; not
     a config option); empty for any other name."""
     parts = name.split("-")
@@ -376,6 +377,8 @@ def ice_options(name: str) -> dict:
             options["exact_until_indexed"] = False
         elif part == "layers":
             options["step_graph"] = False
+        elif part[:2] == "sg" and part[2:].isdigit():
+            options["segments"] = int(part[2:])
         elif part == "inline":
             options["inline"] = True
         elif part[:1] in ("r", "t") and part[1:].isdigit():
@@ -498,7 +501,7 @@ def main(argv=None) -> int:
         cache.bench_flashinfer = True
         return cache
 
-    def make_ice(reuse, lookahead=True, refresh=1, threads=None, inline=False, **more):
+    def make_ice(reuse, lookahead=True, refresh=1, threads=None, inline=False, segments=None, **more):
         config = IceCacheConfig(
             budget=args.budget,
             reuse=reuse,
@@ -508,6 +511,8 @@ def main(argv=None) -> int:
             **more,
         )
         cache = IceCache(config, model)
+        if segments is not None:
+            cache.step_graph.segments = segments
         if inline:  # no layer starts the next one's staging copy early
             for layer in cache.layers:
                 if isinstance(layer, IceLayer):
@@ -678,7 +683,11 @@ def main(argv=None) -> int:
                 log(f"{n}: {name}: staging copied ahead in {v['copied_ahead']:.1%} of layer steps")
                 sg = cache.step_graph
                 v["step_graph_replays"] = sg.replays
-                log(f"{n}: {name}: step graph: {sg.steps} steps, {sg.replays} replayed, {sg.captures} graphs captured")
+                log(
+                    f"{n}: {name}: step graph: {sg.steps} steps, {sg.replays} replayed, {sg.captures} captured "
+                    f"({sg.segments} segments); its host time {s.graph_host_s / max(1, s.graph_steps) * 1e3:.2f} ms "
+                    f"per step, of which waiting {s.wait_s / max(1, s.graph_steps) * 1e3:.2f} ms"
+                )
                 if args.profile_steps < 1:
                     continue
                 cache.runtime.stats = RuntimeStats()
@@ -691,6 +700,12 @@ def main(argv=None) -> int:
                 cache.runtime.sync_timing = False
                 s = cache.stats
                 v["breakdown"] = {k: getattr(s, k) / args.profile_steps for k in ("wait_s", "copy_s", "attend_s")}
+                if s.graph_steps:
+                    device_ms, host_ms = (x / s.graph_steps * 1e3 for x in (s.graph_device_s, s.graph_host_s))
+                    log(
+                        f"{n}: {name}: synced step graph: {device_ms:.2f} ms from the first replay to the last "
+                        f"one's end, host {host_ms:.2f} ms per step"
+                    )
                 v["worker"] = {
                     k: getattr(s, k) / args.profile_steps
                     for k in ("worker_insert_s", "worker_select_s", "worker_gather_s")

@@ -294,6 +294,7 @@ def test_bad_config_fails_when_made(kwargs, match):
         ("device", "nonsense"),
         ("lookahead", 1),
         ("cuda_graphs", "yes"),
+        ("step_graph", "yes"),
         ("refresh", True),
         ("successors", -1),
         ("superset_pages", 2.0),

@@ -389,7 +389,7 @@ def test_cuda_step_graph_decodes_as_the_eager_path(page_format):
     model = tiny_model("llama").cuda()
     ids, mask = _padded_batch()
     single = ids[:1]
-    cache = IceCache(_paging_config(page_format=page_format), model)
+    cache = IceCache(_paging_config(page_format=page_format, step_graph=True), model)
     for prompt, pmask in ((single, None), (ids, mask), (single, None)):
         eager = run_steps(
             model,

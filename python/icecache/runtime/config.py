@@ -207,9 +207,11 @@ class IceCacheConfig:
         cuda_graphs: with look-ahead on CUDA, replay each layer's ranking and attention from
             CUDA graphs captured at the first steps, so a step launches a few kernels per layer.
         step_graph: with ``cuda_graphs``, replay each whole decode step (every layer of the
-            model's decoder) from one CUDA graph where the model allows
+            model's decoder) from CUDA graphs where the model allows
             (:mod:`icecache.runtime.stepgraph`: no sliding-window layers; the first steps and
-            any other step run eagerly, each IceCache layer from its own graphs).
+            any other step run eagerly, each IceCache layer from its own graphs). Opt-in and
+            experimental: its CUDA tests pass, but a benchmark run of the Llama-8B shape hit an
+            illegal memory access not yet explained (benches/RESULTS.md, "Step graph").
         pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
             across steps until evicted (least recently selected first). Default with
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
@@ -271,7 +273,7 @@ class IceCacheConfig:
     successors: int = 32
     refresh: int = 1
     cuda_graphs: bool = True
-    step_graph: bool = True
+    step_graph: bool = False
     pool_pages: Optional[int] = None
     effort: Union[float, Literal["auto"]] = 1.0
     group_view: bool = False

@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-__all__ = ["capture", "release_retired", "retire", "retire_with"]
+__all__ = ["capture", "guarded", "release_retired", "retire", "retire_with"]
 
 _lock = threading.RLock()
 _retired: List[Any] = []
@@ -58,17 +58,25 @@ def release_retired() -> None:
 
 
 @contextmanager
-def capture(graph: "torch.cuda.CUDAGraph", pool: Optional[Any] = None) -> Iterator[None]:
-    """``torch.cuda.graph(graph, pool=pool)``, one capture at a time in the process, with the
-    retired graphs destroyed first, the garbage collector paused and capture errors confined
-    to this thread (see the module doc). A failed capture raises ``RuntimeError``."""
+def guarded() -> Iterator[None]:
+    """The process's one capture at a time, with the retired graphs destroyed first and the
+    garbage collector paused (see the module doc); for captures made by hand
+    (``CUDAGraph.capture_begin``, in ``"thread_local"`` error mode)."""
     with _lock:
         release_retired()
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                yield
+            yield
         finally:
             if collecting:
                 gc.enable()
+
+
+@contextmanager
+def capture(graph: "torch.cuda.CUDAGraph", pool: Optional[Any] = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)`` under :func:`guarded`, capture errors confined
+    to this thread (see the module doc). A failed capture raises ``RuntimeError``."""
+    with guarded():
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield

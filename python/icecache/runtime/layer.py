@@ -117,7 +117,7 @@ class IceLayer(CacheLayerMixin):
         self._q_last: List[Optional[torch.Tensor]] = []
         self._device_step: Optional[DeviceStep] = None
         self._step_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        # A step graph's step (step_before to step_after): the host's part, and the page count
+        # A step graph's step (step_count to step_after): the host's part, and the page count
         # that the graph was captured with.
         self._graph_before: Optional[_Before] = None
         self._graph_pages: Optional[int] = None
@@ -151,7 +151,9 @@ class IceLayer(CacheLayerMixin):
         prompt of every IceCache layer (:meth:`_finish_prompts`).
         """
         T = key_states.shape[-2]
-        if self.runtime.in_step_graph:  # the host's part ran before the step graph (step_before)
+        if self.runtime.in_step_graph:  # the host's part runs around the step graph (step_count)
+            if self.runtime.step_hook is not None:
+                self.runtime.step_hook(self)
             self._step_kv = (key_states[:, :, 0], value_states[:, :, 0])
             hand_off(self)
             return key_states, value_states
@@ -478,9 +480,9 @@ class IceLayer(CacheLayerMixin):
         if self._step_kv is None:
             raise RuntimeError(f"IceCache layer {self.layer_idx}: attention without its update")
         k, v = self._step_kv
-        if rt.in_step_graph:  # the host's part ran before the step graph (step_before)
+        if rt.in_step_graph:  # the host's part runs around the step graph (step_count)
             if self._device_step is None or self._graph_pages is None:
-                raise RuntimeError(f"IceCache layer {self.layer_idx}: a step graph's attention without step_before")
+                raise RuntimeError(f"IceCache layer {self.layer_idx}: a step graph's attention without step_count")
             return self._device_step.inline(q, k, v, self._graph_pages)[:, None]
         if self._device_step is None:
             self._device_step = self._open_device_step(q.shape[1], scale)
@@ -566,24 +568,39 @@ class IceLayer(CacheLayerMixin):
         """The device side of the decode steps (made at the first one)."""
         return self._device_step
 
-    def step_before(self) -> int:
-        """Before a step graph's replay: what ``update`` and ``attend`` do on the host before
-        the device's work (the token counted into the window, the job's pages staged); returns
-        the pages the step attends (the graph is captured per count)."""
+    def step_count(self) -> int:
+        """First of a step graph's host work for this layer (all layers' before the replay):
+        the token counted into the window (a full window's oldest page to the flush buffers);
+        returns the pages the step will attend, which the graph is captured for."""
         t = time.perf_counter()
-        self.window.append(self.jobs.buffers())
+        w = self.window
+        w.append(self.jobs.buffers())
         self.length += 1
         self.runtime.stats.update_s += time.perf_counter() - t
-        self._graph_before = self._before_device_step(self.runtime.tick())
-        self._graph_pages = self._graph_before.pages
+        # As _before_device_step will find them once the job's tokens are dropped.
+        window = max(n - m for n, m in zip(w.win_len, w.in_job))
+        cfg = self.runtime.config
+        self._graph_pages = max(0, min(cfg.retrieved_pages, (cfg.budget - max(w.sink_len) - window) // cfg.page_size))
         return self._graph_pages
+
+    def step_stage(self) -> None:
+        """Then, before the replay of the graph segment holding this layer: the job's outcome
+        waited for, its staging copied to the device (on the copy stream, which the step
+        waits for), the tokens it inserted dropped from the window."""
+        t0 = self.runtime.tick()
+        self.jobs.wait()
+        self.jobs.upload_ahead()
+        self._graph_before = self._before_device_step(t0)
+        if self._graph_before.pages != self._graph_pages:
+            raise RuntimeError(f"IceCache layer {self.layer_idx}: a step graph's pages changed while staged")
 
     def step_after(self) -> None:
         """After a step graph's replay: what ``attend`` does on the host after the device's work."""
         if self._graph_before is None:
-            raise RuntimeError(f"IceCache layer {self.layer_idx}: step_after without step_before")
+            raise RuntimeError(f"IceCache layer {self.layer_idx}: step_after without step_stage")
         before, self._graph_before = self._graph_before, None
-        self._after_device_step(before, None, self.runtime.tick())
+        # The device's attention ran inside the graph: no host time of its own.
+        self._after_device_step(before, None, before.t2)
 
     def nbytes(self) -> dict:
         """Bytes held on the device (sink, window, page pool; the bridge's whole cache while it

@@ -7,7 +7,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 import torch
@@ -71,6 +71,12 @@ class RuntimeStats:
     #: layers before (look-ahead on a GPU, once the layer's job had finished; their ``copy_s``
     #: is then mostly the scatter).
     copies_ahead: int = 0
+    #: Decode steps run by the step graph, its host time (the layers' host work around the
+    #: replays, waits included), and with ``sync_timing`` the device time from its first
+    #: replay to its last one's end.
+    graph_steps: int = 0
+    graph_host_s: float = 0.0
+    graph_device_s: float = 0.0
     #: One attention recall per (layer, sequence, retrieving step) (``track_recall``).
     recalls: List[float] = field(default_factory=list)
     #: One share per (layer, step) of attended pages that the device's ranking took from
@@ -110,6 +116,9 @@ class Runtime:
         #: Set while a step graph's forward runs (captured, or eagerly as its reference): the
         #: layers' host work ran before it (:mod:`icecache.runtime.stepgraph`).
         self.in_step_graph = False
+        #: While a step graph is captured: called with each IceCache layer as its update runs
+        #: (where the capture moves on to the next graph segment).
+        self.step_hook: Optional[Callable[[Any], None]] = None
         #: The prefill's reused host buffer for device-to-host copies on the index worker.
         self.transit = Transit(device)
         #: The pinned host blocks of chunked prompts, kept for the next prompt (the process's).

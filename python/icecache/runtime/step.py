@@ -197,14 +197,23 @@ class DeviceStep:
         return self._ops(pages).out
 
     def saved_state(self) -> list:
-        """Copies of the device state a step advances (window, step counter), for
-        :meth:`restore_state` after warm-up runs."""
-        return [t.clone() for t in (self.dense_kv, self.dense_valid, self.window_at, self.counter)]
+        """Copies of the state a step advances (window, step counter, and the step number
+        handed to the host), for :meth:`restore_state` after warm-up runs."""
+        state = [t.clone() for t in (self.dense_kv, self.dense_valid, self.window_at, self.counter)]
+        if self._handoff is not None:
+            state.append(self._handoff[1].clone())
+        return state
 
     def restore_state(self, saved: list) -> None:
-        """Put back the state of :meth:`saved_state`."""
+        """Put back the state of :meth:`saved_state`. The host's step number too: a warm-up
+        wrote the step's number before the step, and the job started behind it would start
+        early, and write the next staging while the step still reads the current one."""
         for t, s in zip((self.dense_kv, self.dense_valid, self.window_at, self.counter), saved):
             t.copy_(s)
+        if self._handoff is not None:
+            if self.query.is_cuda:
+                torch.cuda.synchronize(self.query.device)  # the warm-up's copy has landed
+            self._handoff[1].copy_(saved[4])
 
     def _capture(self, pages: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm-up runs (outside the capture: library workspaces) write the window and count:

@@ -18,6 +18,9 @@ operations its own graphs hold), and the full-cache layers (``full_layers``) a
 :class:`StaticFullLayer`: their keys and values in storage with room to grow, written at a
 position the graph advances itself, attended under a mask of the written positions.
 
+Opt-in (``IceCacheConfig.step_graph``): a benchmark run of the Llama-8B shape hit an illegal
+memory access that the CUDA tests do not show (benches/RESULTS.md, "Step graph").
+
 A step runs from a step graph when: the cache is on CUDA with look-ahead, ``cuda_graphs`` and
 ``step_graph`` on; the model has no sliding-window layers; the forward is one token of
 ``input_ids`` with no hidden states or attentions asked for; and every IceCache layer is past
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -44,10 +48,13 @@ from icecache.runtime import graphs
 from icecache.runtime.integration import hand_off
 from icecache.runtime.layer import IceLayer
 
-__all__ = ["ROOM", "StaticFullLayer", "StepGraph", "install"]
+__all__ = ["ROOM", "SEGMENTS", "StaticFullLayer", "StepGraph", "install"]
 
 #: Tokens of room a full-cache layer grows by (its step graphs are captured again then).
 ROOM = 2048
+
+#: Graph segments per decode step by default (:attr:`StepGraph.segments`).
+SEGMENTS = 4
 
 #: The names of the cache argument of a decoder's forward (transformers 5.24 renamed it).
 _CACHE_NAMES = ("cache", "past_key_values")
@@ -172,6 +179,9 @@ class StepGraph:
             and not sliding
             and bool(self.ice)
         )
+        #: Graph segments per step: the host stages the pages of each segment's IceCache layers
+        #: right before its replay, while the device runs the segments before it.
+        self.segments = SEGMENTS
         #: For the current prompt: steps run in the step graph's phases, those of them replayed
         #: from a graph, and graphs captured.
         self.steps = 0
@@ -209,29 +219,55 @@ class StepGraph:
         return self._step(forward, kwargs)
 
     def _step(self, forward: Callable[..., Any], kwargs: Dict[str, Any]) -> Any:
+        t = time.perf_counter()
+        stats = self.runtime.stats
         fulls = self._full_layers(kwargs.get("attention_mask"))
         if any([layer.make_room() for layer in fulls]):
             graphs.retire(self._graphs)
             self._pool = None
         position = self.cache.get_seq_length()
         static = self._static_kwargs(forward, kwargs, position)
-        pages = tuple(layer.step_before() for layer in self.ice)
-        key = (kwargs["input_ids"].shape[0], tuple(layer.capacity for layer in fulls), pages)
+        pages = tuple(layer.step_count() for layer in self.ice)
+        starts = self._starts()
+        key = (kwargs["input_ids"].shape[0], tuple(layer.capacity for layer in fulls), pages, starts)
         entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._capture(key, forward, static, fulls)
-        if entry is None:  # the CPU, or the capture failed: this step eagerly
-            out = self._forward(forward, static, fulls)
+        if entry is None:  # every layer staged first: the warm-up before the capture runs the step
+            for layer in self.ice:
+                layer.step_stage()
+            entry = self._capture(key, forward, static, fulls, starts)
+            if entry is None:  # the CPU, or the capture failed: this step eagerly
+                out = self._forward(forward, static, fulls)
+            else:
+                segments, out = entry
+                for graph in segments:
+                    graph.replay()
+                self.replays += 1
         else:
-            graph, out = entry
-            graph.replay()
+            # Each segment's layers staged right before its replay: the device runs the
+            # earlier segments meanwhile, and the worker finishes the later layers' jobs.
+            segments, out = entry
+            t_device = self.runtime.tick()
+            for first, end, graph in zip(starts, starts[1:] + (len(self.ice),), segments):
+                for layer in self.ice[first:end]:
+                    layer.step_stage()
+                graph.replay()
+            if self.runtime.sync_timing:
+                stats.graph_device_s += self.runtime.tick() - t_device
             self.replays += 1
         for ice in self.ice:
             ice.step_after()
         for full in fulls:
             full.advance()
         self.steps += 1
+        stats.graph_steps += 1
+        stats.graph_host_s += time.perf_counter() - t
         return out
+
+    def _starts(self) -> Tuple[int, ...]:
+        """Where each graph segment's IceCache layers start (indices into :attr:`ice`)."""
+        n = len(self.ice)
+        parts = max(1, min(self.segments, n))
+        return tuple(sorted({round(k * n / parts) for k in range(parts)}))
 
     def _full_layers(self, attention_mask: Optional[torch.Tensor]) -> List[StaticFullLayer]:
         """The cache's full layers, moved into :class:`StaticFullLayer` storage at their first
@@ -277,23 +313,37 @@ class StepGraph:
             static["cache_position"] = inputs["cache_position"]
         return static
 
-    def _forward(self, forward: Callable[..., Any], kwargs: Dict[str, Any], fulls: List[StaticFullLayer]) -> Any:
-        """The step's forward with the layers in their step-graph role."""
-        self.runtime.in_step_graph = True
+    def _forward(
+        self,
+        forward: Callable[..., Any],
+        kwargs: Dict[str, Any],
+        fulls: List[StaticFullLayer],
+        hook: Optional[Callable[[Any], None]] = None,
+    ) -> Any:
+        """The step's forward with the layers in their step-graph role (``hook``: called at
+        each IceCache layer's update)."""
+        self.runtime.in_step_graph, self.runtime.step_hook = True, hook
         for layer in fulls:
             layer.in_graph = True
         try:
             return forward(**kwargs)
         finally:
-            self.runtime.in_step_graph = False
+            self.runtime.in_step_graph, self.runtime.step_hook = False, None
             for layer in fulls:
                 layer.in_graph = False
 
     def _capture(
-        self, key: tuple, forward: Callable[..., Any], kwargs: Dict[str, Any], fulls: List[StaticFullLayer]
-    ) -> Optional[Tuple[Any, Any]]:
-        """Capture the step graph for ``key``: ``None`` (and step graphs off, with a warning)
-        if the capture fails, or on the CPU, which runs the step eagerly."""
+        self,
+        key: tuple,
+        forward: Callable[..., Any],
+        kwargs: Dict[str, Any],
+        fulls: List[StaticFullLayer],
+        starts: Tuple[int, ...],
+    ) -> Optional[Tuple[List[Any], Any]]:
+        """Capture the step's graph segments for ``key`` (one per entry of ``starts``, cut at
+        the update of the IceCache layer it starts at) and their output: ``None`` (and step
+        graphs off, with a warning) if the capture fails, or on the CPU, which runs the step
+        eagerly."""
         if self.runtime.device.type != "cuda":
             return None
         steps = [layer.device_step for layer in self.ice if layer.device_step is not None]
@@ -309,9 +359,21 @@ class StepGraph:
             for layer, at in zip(fulls, positions):
                 layer.at.copy_(at)
 
+        device = self.runtime.device
+        segments = [torch.cuda.CUDAGraph() for _ in starts]
+        cuts = {id(self.ice[i]): k for k, i in enumerate(starts) if k > 0}
+        capturing = [0]  # the segment being captured
+
+        def cut(layer: Any) -> None:
+            k = cuts.get(id(layer))
+            if k is not None:
+                segments[k - 1].capture_end()
+                segments[k].capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                capturing[0] = k
+
         try:
-            current = torch.cuda.current_stream(self.runtime.device)
-            side = torch.cuda.Stream(self.runtime.device)
+            current = torch.cuda.current_stream(device)
+            side = torch.cuda.Stream(device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 self._forward(forward, kwargs, fulls)
@@ -319,16 +381,22 @@ class StepGraph:
             restore()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with graphs.capture(graph, pool=self._pool):
-                out = self._forward(forward, kwargs, fulls)
+            with graphs.guarded():
+                torch.cuda.synchronize(device)
+                with torch.cuda.stream(side):
+                    segments[0].capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        out = self._forward(forward, kwargs, fulls, hook=cut)
+                    finally:
+                        segments[capturing[0]].capture_end()
+            current.wait_stream(side)
         except RuntimeError as exc:
             restore()
             warnings.warn(f"IceCache: step graph capture failed ({exc}); decoding eagerly from now on", stacklevel=4)
             self.enabled = False
             return None
         self.captures += 1
-        self._graphs[key] = (graph, out)
+        self._graphs[key] = (segments, out)
         return self._graphs[key]
 
 
