@@ -360,8 +360,8 @@ def ice_options(name: str) -> dict:
     ``-k8v4`` (the page format), ``-gv`` / ``-ov`` (group view on / one view per query head), ``-wait`` (no bridge:
     the first step waits for the index; the prompt's device copy is freed once copied), ``-rN``
     (refresh N), ``-eX`` (effort X), ``-tN`` (N index threads), ``-layers`` (``step_graph=False``: each
-    IceCache layer from its own CUDA graphs, the rest of the model eagerly), ``-sgN`` (a step graph
-    in N segments, ``StepGraph.segments``; not a config option), ``-inline`` (every staging copy at
+    IceCache layer from its own CUDA graphs, the rest of the model eagerly), ``-sgN`` (``step_graph=True``
+    in N segments, ``StepGraph.segments``), ``-inline`` (every staging copy at
     its layer's own step, none started early: ``LayerJobs.upload_ahead`` off, for comparison; not
     a config option); empty for any other name."""
     parts = name.split("-")
@@ -502,6 +502,8 @@ def main(argv=None) -> int:
         return cache
 
     def make_ice(reuse, lookahead=True, refresh=1, threads=None, inline=False, segments=None, **more):
+        if segments is not None:  # a step graph in that many segments
+            more["step_graph"] = True
         config = IceCacheConfig(
             budget=args.budget,
             reuse=reuse,

@@ -18,8 +18,8 @@ operations its own graphs hold), and the full-cache layers (``full_layers``) a
 :class:`StaticFullLayer`: their keys and values in storage with room to grow, written at a
 position the graph advances itself, attended under a mask of the written positions.
 
-Opt-in (``IceCacheConfig.step_graph``): a benchmark run of the Llama-8B shape hit an illegal
-memory access that the CUDA tests do not show (benches/RESULTS.md, "Step graph").
+Opt-in (``IceCacheConfig.step_graph``): beside ``torch.compile``'s CUDA graphs in the same process
+a benchmark faulted with an illegal memory access (benches/RESULTS.md, "Step graph").
 
 A step runs from a step graph when: the cache is on CUDA with look-ahead, ``cuda_graphs`` and
 ``step_graph`` on; the model has no sliding-window layers; the forward is one token of
