@@ -79,8 +79,9 @@ class IceCache(Cache):
 
     Constructing it switches ``model`` to the ``"icecache"`` attention implementation
     (:func:`icecache.runtime.enable`), which is plain SDPA for any other cache, and routes
-    its decoder's one-token forwards with an IceCache through that cache's step graph (one CUDA
-    graph per decode step, :mod:`icecache.runtime.stepgraph`). One cache
+    its decoder's one-token forwards with an IceCache through that cache's step graph (with
+    ``config.step_graph``: each decode step from CUDA graphs, :mod:`icecache.runtime.stepgraph`).
+    One cache
     serves one ``generate`` (or one prompt forward followed by one-token forwards); call
     :meth:`reset` to reuse it. The prompt may come in chunks (``generate(...,
     prefill_chunk_size=N)``, or forwards of several tokens before the first one-token forward);

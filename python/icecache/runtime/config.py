@@ -210,8 +210,9 @@ class IceCacheConfig:
             model's decoder) from CUDA graphs where the model allows
             (:mod:`icecache.runtime.stepgraph`: no sliding-window layers; the first steps and
             any other step run eagerly, each IceCache layer from its own graphs). Opt-in and
-            experimental: its CUDA tests pass, but a benchmark run of the Llama-8B shape hit an
-            illegal memory access not yet explained (benches/RESULTS.md, "Step graph").
+            experimental: its CUDA tests pass, but beside a model compiled with
+            ``torch.compile``'s CUDA graphs in the same process a benchmark faulted (illegal
+            memory access; benches/RESULTS.md, "Step graph").
         pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
             across steps until evicted (least recently selected first). Default with
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few

@@ -529,9 +529,13 @@ class IceLayer(CacheLayerMixin):
             keep = torch.zeros(self.batch, self.heads, cfg.device_pages + 1, dtype=torch.bool, device=self.device)
             keep.scatter_(2, torch.where(table >= 0, table, cfg.device_pages).long(), True)
             keep = keep[..., :-1]
-        # The budget: sink + window (+ a flushed page still attended) + pages.
-        pages = max(0, min(cfg.retrieved_pages, (cfg.budget - max(w.sink_len) - max(w.win_len)) // cfg.page_size))
-        return _Before(outcome, pages, keep, t0, t1, t2)
+        return _Before(outcome, self._step_pages(max(w.win_len)), keep, t0, t1, t2)
+
+    def _step_pages(self, window: int) -> int:
+        """The pages a step attends beside the sink and ``window`` tokens of the window (the
+        most of any sequence; a flushed page still attended included), within the budget."""
+        cfg = self.runtime.config
+        return max(0, min(cfg.retrieved_pages, (cfg.budget - max(self.window.sink_len) - window) // cfg.page_size))
 
     def _after_device_step(self, before: _Before, q: Optional[torch.Tensor], t3: float) -> None:
         """The host's part after the device's: the next step's job (look-ahead) and the counters."""
@@ -577,10 +581,8 @@ class IceLayer(CacheLayerMixin):
         w.append(self.jobs.buffers())
         self.length += 1
         self.runtime.stats.update_s += time.perf_counter() - t
-        # As _before_device_step will find them once the job's tokens are dropped.
-        window = max(n - m for n, m in zip(w.win_len, w.in_job))
-        cfg = self.runtime.config
-        self._graph_pages = max(0, min(cfg.retrieved_pages, (cfg.budget - max(w.sink_len) - window) // cfg.page_size))
+        # The window as _before_device_step will find it once the job's tokens are dropped.
+        self._graph_pages = self._step_pages(max(n - m for n, m in zip(w.win_len, w.in_job)))
         return self._graph_pages
 
     def step_stage(self) -> None:

@@ -150,10 +150,7 @@ class StaticFullLayer(DynamicLayer):
         """Device bytes of the storage (its room included)."""
         return 2 * self._k.numel() * self._k.element_size()
 
-    def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError("IceCache does not support beam search, cropping or batch reshuffling")
-
-    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
+    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = IceLayer._unsupported
 
 
 class StepGraph:
