@@ -260,6 +260,49 @@ print(len(during) > 100, any(during))
     assert out == ["True True"] * 4 + ["True False"], out
 
 
+def test_cuda_graphs_keep_their_blas_workspace_when_torch_compile_frees_it():
+    """torch.compile's CUDA graphs free cuBLAS's workspaces around their captures
+    (``_cuda_clearCublasWorkspaces``). A graph captured under ``graphs.guarded`` owns its
+    workspace: a tensor that takes the memory freed then is not written by its replays, and
+    the replays stay right. (Outside ``guarded`` the graph keeps using the workspace that its
+    stream's first matmul allocated from the ordinary pool, which the tensor then takes.)"""
+    out = isolated(
+        """
+import torch
+from icecache.runtime import graphs
+torch.manual_seed(0)
+dev = torch.device("cuda")
+# Shapes of one decode step of an 8B model, and a long reduction cuBLAS splits (split-K).
+pairs = [((1, 4096), (4096, 14336)), ((1, 14336), (14336, 4096)), ((8, 65536), (65536, 128))]
+bf16 = dict(device=dev, dtype=torch.bfloat16)
+xs = [(torch.randn(a, **bf16), torch.randn(b, **bf16)) for a, b in pairs]
+want = [x @ w for x, w in xs]
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    for x, w in xs:  # warm-up: the side stream's workspace
+        x @ w
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with graphs.guarded(), torch.cuda.stream(side):
+    graph.capture_begin(capture_error_mode="thread_local")
+    got = [x @ w for x, w in xs]
+    graph.capture_end()
+torch.cuda.synchronize()
+before = torch.cuda.memory_allocated()
+torch._C._cuda_clearCublasWorkspaces()  # what torch.compile's CUDA graphs do
+freed = before - torch.cuda.memory_allocated()
+with torch.cuda.stream(side):  # the freed block goes to the next allocation of its size there
+    taker = torch.full((max(freed, 1),), 7, dtype=torch.uint8, device=dev)
+for _ in range(3):
+    graph.replay()
+torch.cuda.synchronize()
+print(bool((taker == 7).all()), all(torch.allclose(g, w, rtol=2e-2, atol=2e-1) for g, w in zip(got, want)))
+"""
+    )
+    assert out == ["True True"], out
+
+
 def test_cuda_a_failed_capture_warns_and_decodes_eagerly():
     """A capture that fails (here: a call the capture forbids, inside the captured step) is a
     warning and an eager layer from then on, with the eager path's output, not an abort."""

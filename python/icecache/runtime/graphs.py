@@ -17,6 +17,16 @@ exception. Two sources of such calls lie outside the code being captured:
   checked, which is correct here because no other thread uses the capturing stream (the
   worker has its own stream and waits only on events recorded before the capture).
 
+A third hazard lies in what a graph keeps using after its capture: **cuBLAS's workspace**.
+torch keeps one per (handle, stream), allocated at that stream's first matmul from the ordinary
+memory pool, and a graph captured there replays into it. ``torch.compile``'s CUDA graphs free
+every workspace before and after their own captures (so that theirs land in their private
+pools): a workspace freed under a graph of ours would be handed to other tensors, or released
+to the driver by ``empty_cache``, while our replays still write into it (an illegal memory
+access, or silent corruption). So :func:`guarded` frees the workspaces the same way before and
+after each capture: the capture allocates its workspace in the graph's own pool, which lives as
+long as the graph; eager work afterwards allocates a new one outside it.
+
 Captures run one at a time in the process (torch allows one at a time), under one lock that
 :func:`release_retired` takes too.
 """
@@ -57,18 +67,29 @@ def release_retired() -> None:
             _retired.pop()
 
 
+def _free_blas_workspaces() -> None:
+    """Free cuBLAS's workspaces once the device is idle (see the module doc)."""
+    free = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if free is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        free()
+
+
 @contextmanager
 def guarded() -> Iterator[None]:
-    """The process's one capture at a time, with the retired graphs destroyed first and the
-    garbage collector paused (see the module doc); for captures made by hand
-    (``CUDAGraph.capture_begin``, in ``"thread_local"`` error mode)."""
+    """The process's one capture at a time, with the retired graphs destroyed first, the
+    garbage collector paused and cuBLAS's workspaces freed before and after (see the module
+    doc); for captures made by hand (``CUDAGraph.capture_begin``, in ``"thread_local"`` error
+    mode)."""
     with _lock:
         release_retired()
         collecting = gc.isenabled()
         gc.disable()
+        _free_blas_workspaces()
         try:
             yield
         finally:
+            _free_blas_workspaces()
             if collecting:
                 gc.enable()
 
