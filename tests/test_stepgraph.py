@@ -66,9 +66,12 @@ def test_step_graph_full_layers_grow_and_reset():
 
 
 def test_step_graph_off_where_it_cannot_serve():
-    """Sliding-window models, fresh selection, the CPU and the default leave it off."""
-    assert not IceCache(_config(step_graph=True), tiny_model("gemma3")).step_graph.enabled
+    """On by default; sliding-window models, fresh selection, CUDA graphs off, the option off
+    and the CPU leave it off."""
+    assert IceCacheConfig().step_graph
+    assert not IceCache(_config(), tiny_model("gemma3")).step_graph.enabled
     model = tiny_model("llama")
-    assert not IceCache(_config(step_graph=True, lookahead=False), model).step_graph.enabled
-    assert not IceCache(_config(), model).step_graph.enabled  # off by default
-    assert not IceCache(_config(step_graph=True), model).step_graph.enabled  # the CPU
+    assert not IceCache(_config(lookahead=False), model).step_graph.enabled
+    assert not IceCache(_config(step_graph=False), model).step_graph.enabled
+    assert not IceCache(_config(cuda_graphs=False), model).step_graph.enabled
+    assert not IceCache(_config(), model).step_graph.enabled  # the CPU

@@ -209,10 +209,8 @@ class IceCacheConfig:
         step_graph: with ``cuda_graphs``, replay each whole decode step (every layer of the
             model's decoder) from CUDA graphs where the model allows
             (:mod:`icecache.runtime.stepgraph`: no sliding-window layers; the first steps and
-            any other step run eagerly, each IceCache layer from its own graphs). Opt-in and
-            experimental: its CUDA tests pass, but beside a model compiled with
-            ``torch.compile``'s CUDA graphs in the same process a benchmark faulted (illegal
-            memory access; benches/RESULTS.md, "Step graph").
+            any other step run eagerly, each IceCache layer from its own graphs). Off: each
+            IceCache layer replays its own graphs and the rest of the model runs eagerly.
         pool_pages: device page slots per (sequence, layer, KV head); pages stay resident
             across steps until evicted (least recently selected first). Default with
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
@@ -274,7 +272,7 @@ class IceCacheConfig:
     successors: int = 32
     refresh: int = 1
     cuda_graphs: bool = True
-    step_graph: bool = False
+    step_graph: bool = True
     pool_pages: Optional[int] = None
     effort: Union[float, Literal["auto"]] = 1.0
     group_view: bool = False

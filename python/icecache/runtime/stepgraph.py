@@ -18,8 +18,9 @@ operations its own graphs hold), and the full-cache layers (``full_layers``) a
 :class:`StaticFullLayer`: their keys and values in storage with room to grow, written at a
 position the graph advances itself, attended under a mask of the written positions.
 
-Opt-in (``IceCacheConfig.step_graph``): beside ``torch.compile``'s CUDA graphs in the same process
-a benchmark faulted with an illegal memory access (benches/RESULTS.md, "Step graph").
+On by default (``IceCacheConfig.step_graph``). Its captures free cuBLAS's workspaces around
+them, as every capture of the package does (:func:`icecache.runtime.graphs.guarded`), so that
+``torch.compile``'s CUDA graphs in the same process cannot free a workspace under its replays.
 
 A step runs from a step graph when: the cache is on CUDA with look-ahead, ``cuda_graphs`` and
 ``step_graph`` on; the model has no sliding-window layers; the forward is one token of
