@@ -5,7 +5,12 @@ fresh selection) and IceCache-reuse.
 A Llama-3.1-8B-shaped model (``--shape llama8b``; ``smollm2`` for a quick run, ``tiny`` for a
 CPU check), config written here, random bf16 weights made on the GPU; no download. Under
 torchrun with N processes (tensor parallelism, one GPU each; see below) each rank makes its
-own shard. Per context length, one prompt of random tokens:
+own shard. Per context length, one prompt of random tokens. With ``--model smollm2`` (or any model
+:mod:`icecache.models` loads) the weights are that model's real ones, de-quantised from its GGUF
+(bf16 on a GPU), and the prompt is real text cut from the shipped texts (``--text prose`` or
+``code``; one document per sequence): selection then sees a real model's queries, which reuse
+most of their pages from one step to the next, where random weights make every step select a
+new superset. Per variant:
 
 - time to second token (TTST): prefill + one decode step, from an empty cache, for each variant
   (``--ttst-repeats`` rounds, order rotated, median; on a GPU after one untimed full-cache
@@ -112,6 +117,8 @@ from dataclasses import dataclass
 from typing import List
 
 from bench_soak import rss_bytes
+from icecache.models import MODELS, load_model
+from icecache.texts import documents
 
 
 def llama8b_config(layers: int):
@@ -405,6 +412,14 @@ def main(argv=None) -> int:
         help="llama8b: Llama-3.1-8B (32 layers); smollm2: SmolLM2-135M (30 layers), quick; tiny: CPU check",
     )
     ap.add_argument("--layers", type=int, default=None, help="default: the shape's")
+    ap.add_argument(
+        "--model",
+        default=None,
+        choices=sorted(MODELS),
+        help="real weights of this icecache.models model and real text as the prompt, instead of --shape's "
+        "random weights and random tokens",
+    )
+    ap.add_argument("--text", default="prose", choices=["prose", "code"], help="with --model: the kind of shipped text")
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument(
         "--threads", type=int, default=None, help="IceCacheConfig.threads (default: all cores, per rank its share)"
@@ -450,10 +465,18 @@ def main(argv=None) -> int:
     from icecache.runtime.layer import IceLayer
     from transformers import DynamicCache
 
-    make_config, default_layers = SHAPES[args.shape]
-    args.layers = args.layers or default_layers
-    cfg = make_config(args.layers)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes: tensor-parallel ranks
+    if args.model and (world > 1 or args.layers):
+        ap.error("--model takes the model's own layers, in one process")
+    real = None
+    if args.model:  # on the CPU until the device is known
+        real = load_model(args.model, dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+        cfg = real[0].config
+        args.layers = cfg.num_hidden_layers
+    else:
+        make_config, default_layers = SHAPES[args.shape]
+        args.layers = args.layers or default_layers
+        cfg = make_config(args.layers)
     kv_heads_per_rank(cfg, world)  # before any work
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -483,7 +506,10 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = build_model(cfg, device, world)
+    if real is not None:
+        model, tokenizer = real[0].to(device), real[1]
+    else:
+        model, tokenizer = build_model(cfg, device, world), None
     fi_error = agree(fi_error)
     enable(model)  # registers IceCache's attention function, which bench_attention wraps
     register_attention("bench", bench_attention)
@@ -571,8 +597,10 @@ def main(argv=None) -> int:
         if agree(time.perf_counter() - start > args.time_limit):
             log(f"skipping batch {batch} x {n}: time limit")
             continue
-        # The same prompt in every rank.
-        ids = torch.randint(0, cfg.vocab_size, (batch, n), generator=torch.Generator().manual_seed(n)).to(device)
+        if tokenizer is not None:  # real text, a document per sequence
+            ids = torch.tensor(documents(tokenizer, batch, n, seed=n, kind=args.text), device=device)
+        else:  # the same prompt in every rank
+            ids = torch.randint(0, cfg.vocab_size, (batch, n), generator=torch.Generator().manual_seed(n)).to(device)
         variants = {}
         makers = {
             "full": ("full (SDPA)", lambda: DynamicCache(config=model.config)),
@@ -683,13 +711,23 @@ def main(argv=None) -> int:
                 # Layer steps whose staging copy ran early on the copy stream (in the TPOT rounds).
                 v["copied_ahead"] = s.copies_ahead / s.layer_steps
                 log(f"{n}: {name}: staging copied ahead in {v['copied_ahead']:.1%} of layer steps")
+                # Selection reuse in the TPOT rounds: of the pages selected, those already on the device.
+                tokens = args.repeats * args.steps
+                v["reuse"] = 1 - s.pages_loaded / max(1, s.pages_selected)
+                log(
+                    f"{n}: {name}: per token {s.pages_selected / tokens:.0f} pages selected, "
+                    f"{s.pages_loaded / tokens:.0f} loaded: {v['reuse']:.1%} already on the device"
+                )
                 sg = cache.step_graph
                 v["step_graph_replays"] = sg.replays
-                log(
-                    f"{n}: {name}: step graph: {sg.steps} steps, {sg.replays} replayed, {sg.captures} captured "
-                    f"({sg.segments} segments); its host time {s.graph_host_s / max(1, s.graph_steps) * 1e3:.2f} ms "
-                    f"per step, of which waiting {s.wait_s / max(1, s.graph_steps) * 1e3:.2f} ms"
-                )
+                if sg.off_reason:
+                    log(f"{n}: {name}: step graph off: {sg.off_reason}")
+                else:
+                    log(
+                        f"{n}: {name}: step graph: {sg.steps} steps, {sg.replays} replayed, {sg.captures} captured "
+                        f"({sg.segments} segments); its host time {s.graph_host_s / max(1, s.graph_steps) * 1e3:.2f} "
+                        f"ms per step, of which waiting {s.wait_s / max(1, s.graph_steps) * 1e3:.2f} ms"
+                    )
                 if args.profile_steps < 1:
                     continue
                 cache.runtime.stats = RuntimeStats()
@@ -755,6 +793,7 @@ def main(argv=None) -> int:
                 "profile_total",
                 "pages_loaded",
                 "pages_selected",
+                "reuse",
                 "index_wait_s",
                 "index_ready_s",
                 "switch_s",
@@ -786,10 +825,13 @@ def main(argv=None) -> int:
         )
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if args.model:
+        weights = f"{args.model}'s real weights ({args.layers} layers, {dtype}), a {args.text} prompt"
+    else:
+        weights = f"{args.shape} shape ({args.layers} layers), random {dtype} weights"
     head = (
         f"{where}; torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, icecache {icecache.__version__}; {args.shape} shape "
-        f"({args.layers} layers), random {dtype} weights; budget {args.budget} "
+        f"{transformers.__version__}, icecache {icecache.__version__}; {weights}; budget {args.budget} "
         f"(page 16, sink 16, window 32, 2 full layers); TTST median of {args.ttst_repeats} round(s) "
         f"(variants rotated, after a warm-up prefill on a GPU); TPOT median of "
         f"{args.repeats}x{args.steps} interleaved steps after {args.warmup} warm-up steps; "

@@ -67,11 +67,17 @@ def test_step_graph_full_layers_grow_and_reset():
 
 def test_step_graph_off_where_it_cannot_serve():
     """On by default; sliding-window models, fresh selection, CUDA graphs off, the option off
-    and the CPU leave it off."""
+    and the CPU leave it off, each saying so (the device is checked last, so each option's own
+    reason shows on the CPU too)."""
     assert IceCacheConfig().step_graph
-    assert not IceCache(_config(), tiny_model("gemma3")).step_graph.enabled
     model = tiny_model("llama")
-    assert not IceCache(_config(lookahead=False), model).step_graph.enabled
-    assert not IceCache(_config(step_graph=False), model).step_graph.enabled
-    assert not IceCache(_config(cuda_graphs=False), model).step_graph.enabled
-    assert not IceCache(_config(), model).step_graph.enabled  # the CPU
+    cases = [
+        (IceCache(_config(), tiny_model("gemma3")), "sliding-window"),
+        (IceCache(_config(lookahead=False), model), "lookahead=False"),
+        (IceCache(_config(step_graph=False), model), "step_graph=False"),
+        (IceCache(_config(cuda_graphs=False), model), "cuda_graphs=False"),
+        (IceCache(_config(), model), "the device is cpu"),
+    ]
+    for cache, reason in cases:
+        assert not cache.step_graph.enabled
+        assert reason in cache.step_graph.off_reason

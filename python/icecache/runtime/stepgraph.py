@@ -26,7 +26,8 @@ A step runs from a step graph when: the cache is on CUDA with look-ahead, ``cuda
 ``step_graph`` on; the model has no sliding-window layers; the forward is one token of
 ``input_ids`` with no hidden states or attentions asked for; and every IceCache layer is past
 its first decode step and its bridge (those run eagerly). Any other step runs eagerly, as does
-every step after a capture failed (with a warning). A graph is captured per (batch, room of the
+every step after a capture failed (with a warning); :attr:`StepGraph.off_reason` says which
+condition turned it off. A graph is captured per (batch, room of the
 full layers, pages per IceCache layer); a full layer whose room runs out grows by
 :data:`ROOM` tokens, and the graphs are captured again.
 
@@ -167,16 +168,27 @@ class StepGraph:
         cfg = cache.config
         self.ice: List[IceLayer] = [layer for layer in cache.layers if isinstance(layer, IceLayer)]
         sliding = any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+        #: Why one-token steps do not run from step graphs (``None`` while they do): the first
+        #: of the config options, the model and the device that rules them out, or the capture
+        #: that failed.
+        self.off_reason: Optional[str] = next(
+            (
+                why
+                for off, why in (
+                    (not cfg.step_graph, "step_graph=False"),
+                    (not cfg.cuda_graphs, "cuda_graphs=False"),
+                    (not cfg.lookahead, "lookahead=False (fresh selection waits for the host within the step)"),
+                    (not self.ice, "no IceCache layer"),
+                    (sliding, "a sliding-window layer (its cache is not IceCache's)"),
+                    (self.runtime.device.type != "cuda", f"the device is {self.runtime.device.type}, not CUDA"),
+                )
+                if off
+            ),
+            None,
+        )
         #: Whether one-token steps run from step graphs where they can (on the CPU: eagerly,
         #: phase by phase, as the reference of the graphs).
-        self.enabled = (
-            cfg.step_graph
-            and cfg.cuda_graphs
-            and cfg.lookahead
-            and self.runtime.device.type == "cuda"
-            and not sliding
-            and bool(self.ice)
-        )
+        self.enabled = self.off_reason is None
         #: Graph segments per step: the host stages the pages of each segment's IceCache layers
         #: right before its replay, while the device runs the segments before it.
         self.segments = SEGMENTS
@@ -391,7 +403,7 @@ class StepGraph:
         except RuntimeError as exc:
             restore()
             warnings.warn(f"IceCache: step graph capture failed ({exc}); decoding eagerly from now on", stacklevel=4)
-            self.enabled = False
+            self.enabled, self.off_reason = False, f"the capture failed: {exc}"
             return None
         self.captures += 1
         self._graphs[key] = (segments, out)
