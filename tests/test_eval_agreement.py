@@ -140,6 +140,16 @@ def test_cli_parses_agreement_options():
     assert args.func is cli._cmd_eval_agreement and args.window == 32
 
 
+def test_refresh_is_checked_before_work_and_recorded(tiny):
+    assert cli.build_parser().parse_args(["eval", "agreement", "--refresh", "2"]).refresh == 2
+    with pytest.raises(ValueError, match="refresh"):
+        ag.evaluate_prompts(tiny, [_prompt(50)], budgets=[64], refresh=0, progress=False)
+    res = ag.evaluate_prompts(
+        tiny, [_prompt(200)], budgets=[512], methods=["icecache"], new_tokens=6, refresh=2, progress=False
+    )
+    assert res.info["refresh"] == 2 and [r.agreement for r in res.select("icecache", 512)] == [1.0]
+
+
 def test_smollm2_code_prompt_full_budget_is_exact_and_a_small_one_is_not():
     """Real model and real shipped code; runs only where the SmolLM2 GGUF is already cached."""
     pytest.importorskip("gguf")

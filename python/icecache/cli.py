@@ -129,6 +129,7 @@ def _cmd_eval_agreement(args: argparse.Namespace) -> int:
         threads=args.threads,
         effort=args.effort,
         page_format=args.page_format,
+        refresh=args.refresh,
     )
     print(res.to_markdown())
     for run, cal in res.info.get("calibration", {}).items():
@@ -212,6 +213,12 @@ def _add_agreement_parser(evals: Any) -> None:
         choices=["native", "int8", "k8v4"],
         help="IceCache's host page stores: the model's dtype, int8 with a scale per row, or int8 K and "
         "4-bit V with a step and minimum per 32 values (default int8)",
+    )
+    ag.add_argument(
+        "--refresh",
+        type=int,
+        default=1,
+        help="IceCache selects a new superset every this many steps (IceCacheConfig.refresh; default 1)",
     )
     ag.add_argument("--seed", type=int, default=0, help="prompt choice (default 0)")
     ag.add_argument(

@@ -121,6 +121,7 @@ def evaluate_prompts(
     threads: Optional[int] = None,
     effort: Union[float, Literal["auto"]] = 1.0,
     page_format: str = "native",
+    refresh: int = 1,
     progress: bool = True,
     on_prompt: Optional[Callable[[AgreementResult], None]] = None,
 ) -> AgreementResult:
@@ -130,7 +131,8 @@ def evaluate_prompts(
     cache then decodes ``new_tokens`` greedy tokens from the last prompt token; every method
     at every budget decodes the same steps fed the full cache's tokens, and its argmax at each
     step is compared with the full cache's. IceCache runs with
-    ``IceCacheConfig(budget, sink, window, page_size, full_layers, threads, effort, page_format)``
+    ``IceCacheConfig(budget, sink, window, page_size, full_layers, threads, effort, page_format,
+    refresh)``
     (and ``budget_mode="adaptive"`` for ``icecache_adaptive``), ``exact_until_indexed=False``
     (every step retrieves) and its defaults otherwise; the
     emulated methods serve the same layers with the same sink and window.
@@ -167,6 +169,7 @@ def evaluate_prompts(
             budget_mode=mode,
             effort=effort,
             page_format=page_format,
+            refresh=refresh,
             exact_until_indexed=False,  # every step retrieves: the method is measured, not the bridge
         )
         for m, mode in BUDGET_MODE.items()
@@ -185,6 +188,7 @@ def evaluate_prompts(
         served_layers=sorted(layers),
     )
     result.info["page_format"] = page_format
+    result.info["refresh"] = refresh
     enable(model)
     bar = progress_bar(total=len(prompts) * (1 + len(methods) * len(budgets)), desc="agreement", enable=progress)
     try:
@@ -252,7 +256,7 @@ def evaluate_agreement(
     Args:
         model: ``"smollm2"`` or ``"gemma3"`` (:func:`icecache.models.load_model`).
         settings: ``sink``, ``window``, ``page_size``, ``full_layers``, ``threads``, ``effort``,
-            ``page_format`` (see :func:`evaluate_prompts`).
+            ``page_format``, ``refresh`` (see :func:`evaluate_prompts`).
     """
     from icecache import models, texts
 
