@@ -468,10 +468,12 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes: tensor-parallel ranks
     if args.model and (world > 1 or args.layers):
         ap.error("--model takes the model's own layers, in one process")
-    real = None
+    tokenizer = None
     if args.model:  # on the CPU until the device is known
-        real = load_model(args.model, dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-        cfg = real[0].config
+        real_model, tokenizer = load_model(
+            args.model, dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        )
+        cfg = real_model.config
         args.layers = cfg.num_hidden_layers
     else:
         make_config, default_layers = SHAPES[args.shape]
@@ -506,10 +508,7 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    if real is not None:
-        model, tokenizer = real[0].to(device), real[1]
-    else:
-        model, tokenizer = build_model(cfg, device, world), None
+    model = real_model.to(device) if tokenizer is not None else build_model(cfg, device, world)
     fi_error = agree(fi_error)
     enable(model)  # registers IceCache's attention function, which bench_attention wraps
     register_attention("bench", bench_attention)

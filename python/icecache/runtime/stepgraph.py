@@ -186,9 +186,6 @@ class StepGraph:
             ),
             None,
         )
-        #: Whether one-token steps run from step graphs where they can (on the CPU: eagerly,
-        #: phase by phase, as the reference of the graphs).
-        self.enabled = self.off_reason is None
         #: Graph segments per step: the host stages the pages of each segment's IceCache layers
         #: right before its replay, while the device runs the segments before it.
         self.segments = SEGMENTS
@@ -203,6 +200,17 @@ class StepGraph:
         self._inputs: Dict[str, torch.Tensor] = {}
         # Whether the decoder's forward takes cache_position (transformers before 5.24).
         self._cache_position: Optional[bool] = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether one-token steps run from step graphs where they can (:attr:`off_reason` is
+        ``None``). Settable: ``True`` on the CPU runs the same phases eagerly, as the reference
+        of the graphs."""
+        return self.off_reason is None
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self.off_reason = None if on else "enabled=False (set by hand)"
 
     def forget(self) -> None:
         """Drop the graphs and the full layers' storage (the cache is reset)."""
@@ -403,7 +411,7 @@ class StepGraph:
         except RuntimeError as exc:
             restore()
             warnings.warn(f"IceCache: step graph capture failed ({exc}); decoding eagerly from now on", stacklevel=4)
-            self.enabled, self.off_reason = False, f"the capture failed: {exc}"
+            self.off_reason = f"the capture failed: {exc}"
             return None
         self.captures += 1
         self._graphs[key] = (segments, out)
