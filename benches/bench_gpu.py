@@ -12,9 +12,10 @@ own shard. Per context length, one prompt of random tokens. With ``--model smoll
 most of their pages from one step to the next, where random weights make every step select a
 new superset. Per variant:
 
-- time to second token (TTST): prefill + one decode step, from an empty cache, for each variant
-  (``--ttst-repeats`` rounds, order rotated, median; on a GPU after one untimed full-cache
-  prefill of the same prompt, so that no variant pays for warming up). IceCache's prefill
+- time to second token (TTST): prefill (one forward, or ``--prefill-chunk`` tokens at a time)
+  + one decode step, from an empty cache, for each variant (``--ttst-repeats`` rounds, order
+  rotated, median; on a GPU after one untimed full-cache prefill of the same prompt, so that no
+  variant pays for warming up). IceCache's prefill
   pipeline indexes on a worker thread: by default the decode steps attend the whole cache
   meanwhile (``exact_until_indexed``, "bridged"), and the run decodes on, step by step, until
   the step that leaves the bridge ("switch": the tokens decoded meanwhile join the indexes and
@@ -114,7 +115,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 from bench_soak import rss_bytes
 from icecache.models import MODELS, load_model
@@ -228,20 +229,22 @@ class CompiledFull:
     """The fastest full-cache decode transformers offers: a ``StaticCache`` and ``generate``, which
     compiles its decode step with ``torch.compile`` (mode ``reduce-overhead``: CUDA graphs) on a
     GPU. One cache serves every call, emptied in place (a new cache's tensors would recompile the
-    step); each call prefills the prompt again (eagerly, in one forward) and decodes. The model's
-    attention is SDPA during the call (the bench's own otherwise), and any prefill chunk size an
-    IceCache set on the generation config is off.
+    step); each call prefills the prompt again (eagerly, in one forward, or in chunks of
+    ``prefill_chunk`` tokens) and decodes. The model's attention is SDPA during the call (the
+    bench's own otherwise), and any prefill chunk size an IceCache set on the generation config
+    is off.
 
     Args:
         model: the bench's model.
         kw: the name of ``generate``'s cache argument.
         length: the cache's positions (prompt and every token decoded in one call).
+        prefill_chunk: ``generate``'s ``prefill_chunk_size`` (``None``: one forward).
     """
 
-    def __init__(self, model, kw: str, length: int):
+    def __init__(self, model, kw: str, length: int, prefill_chunk: Optional[int] = None):
         from transformers import StaticCache
 
-        self.model, self.kw = model, kw
+        self.model, self.kw, self.prefill_chunk = model, kw, prefill_chunk
         self.cache = StaticCache(config=model.config, max_cache_len=length)
         self.layers = self.cache.layers
 
@@ -254,7 +257,7 @@ class CompiledFull:
         clock = _TokenClock()
         self.cache.reset()
         model.set_attn_implementation("sdpa")
-        model.generation_config.prefill_chunk_size = None
+        model.generation_config.prefill_chunk_size = self.prefill_chunk
         try:
             start = time.perf_counter()
             model.generate(
@@ -432,6 +435,13 @@ def main(argv=None) -> int:
         help="sequences decoded together (same prompt length); several: one run per batch size, and a "
         "capacity estimate (the most sequences each variant's measured bytes per sequence fit)",
     )
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="every variant prefills in chunks of this many tokens (default: one forward), so that a batch or "
+        "context whose one-forward prefill does not fit the GPU can be measured",
+    )
     ap.add_argument("--time-limit", type=float, default=1e9, help="skip contexts started after this many s")
     ap.add_argument(
         "--variants",
@@ -554,7 +564,9 @@ def main(argv=None) -> int:
         sync()
         t = time.perf_counter()
         with torch.inference_mode():
-            out = model(ids, logits_to_keep=1, **{kw: cache})
+            chunk = args.prefill_chunk or ids.shape[1]
+            for i in range(0, ids.shape[1], chunk):
+                out = model(ids[:, i : i + chunk], logits_to_keep=1, **{kw: cache})
             tok = out.logits[:, -1:].argmax(-1)
             sync()
             t_first = time.perf_counter() - t
@@ -613,7 +625,7 @@ def main(argv=None) -> int:
         }
         if "full-compile" in args.variants:
             # One static cache for every round at this context (a new one would recompile).
-            compiled = CompiledFull(model, kw, n + args.steps + 8)
+            compiled = CompiledFull(model, kw, n + args.steps + 8, args.prefill_chunk)
             makers["full-compile"] = ("full (static, torch.compile)", lambda compiled=compiled: compiled)
             t = time.perf_counter()
             compiled.generate(ids, 8)

@@ -150,6 +150,21 @@ def test_refresh_is_checked_before_work_and_recorded(tiny):
     assert res.info["refresh"] == 2 and [r.agreement for r in res.select("icecache", 512)] == [1.0]
 
 
+def test_effort_and_group_view_default_to_the_config_and_are_recorded(tiny):
+    from icecache.runtime import IceCacheConfig
+
+    parse = cli.build_parser().parse_args
+    assert (parse(["eval", "agreement"]).effort, parse(["eval", "agreement"]).group_view) == (None, None)
+    assert parse(["eval", "agreement", "--no-group-view", "--effort", "1"]).group_view is False
+    with pytest.raises(ValueError, match="group_view"):
+        ag.evaluate_prompts(tiny, [_prompt(50)], budgets=[64], group_view=1, progress=False)
+    kw = dict(budgets=[64], methods=["icecache"], new_tokens=4, progress=False)
+    res = ag.evaluate_prompts(tiny, [_prompt(200)], **kw)
+    assert (res.info["effort"], res.info["group_view"]) == (IceCacheConfig.effort, IceCacheConfig.group_view)
+    res = ag.evaluate_prompts(tiny, [_prompt(200)], effort=1.0, group_view=False, **kw)
+    assert (res.info["effort"], res.info["group_view"]) == (1.0, False)
+
+
 def test_smollm2_code_prompt_full_budget_is_exact_and_a_small_one_is_not():
     """Real model and real shipped code; runs only where the SmolLM2 GGUF is already cached."""
     pytest.importorskip("gguf")

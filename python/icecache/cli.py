@@ -130,6 +130,7 @@ def _cmd_eval_agreement(args: argparse.Namespace) -> int:
         effort=args.effort,
         page_format=args.page_format,
         refresh=args.refresh,
+        group_view=args.group_view,
     )
     print(res.to_markdown())
     for run, cal in res.info.get("calibration", {}).items():
@@ -204,8 +205,16 @@ def _add_agreement_parser(evals: Any) -> None:
     ag.add_argument(
         "--effort",
         type=_effort_arg,
-        default=1.0,
-        help='IceCache\'s search effort: a number, or "auto" to calibrate each layer on the prompt (default 1.0)',
+        default=None,
+        help='IceCache\'s search effort: a number, or "auto" to calibrate each layer on the prompt (default: '
+        "IceCacheConfig's, 1.5)",
+    )
+    ag.add_argument(
+        "--group-view",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="IceCache's query heads of a GQA group search one shared field of view (IceCacheConfig.group_view; "
+        "default: on)",
     )
     ag.add_argument(
         "--page-format",

@@ -216,21 +216,24 @@ class IceCacheConfig:
             look-ahead: ``superset_pages + retrieved_pages``, so that pages of the last few
             supersets stay ranked too; with fresh selection ``budget // page_size`` (``"fixed"``)
             or ``superset_pages`` (``"adaptive"``).
-        effort: the index's search effort (field of view), a number > 0 for every KV head, or
-            ``"auto"``: once a layer's index is built, the index worker calibrates each KV
-            head's effort (``HeadForest.calibrate``) on the queries of the last
-            ``CALIBRATION_POSITIONS`` prompt positions (every query head, post-RoPE) for
+        effort: the index's search effort (field of view), a number > 0 for every KV head
+            (default 1.5, for the shared view of ``group_view``), or ``"auto"``: once a layer's
+            index is built, the index worker calibrates each KV head's effort
+            (``HeadForest.calibrate``) on the queries of the last ``CALIBRATION_POSITIONS``
+            prompt positions (every query head, post-RoPE) for
             recall@``calibration_k``, with ``DCIIndex(effort="auto")``'s ``AUTO_TARGET`` and
             ``AUTO_MIN_EFFORT``. An index built without prompt queries (a prompt within sink +
             window) keeps ``AUTO_MIN_EFFORT``; :meth:`IceCache.from_prefilled` has none and
             refuses ``"auto"``. Calibrating delays the first decode step, and the higher
             efforts it picks slow the steps: section "The runtime calibrates at prefill".
         group_view: the query heads of each GQA group search one shared field of view (the
-            cells each head ranks best, taken in turn, as many as one head's own view) instead
-            of one each, so selection reads each KV head's keys in view once per step rather
-            than once per query head (``HeadForest.select``'s ``group_view``). For host-bound
-            serving; opt-in because the shared view can miss tokens that one view per head
-            retrieves. Section "Batched decode: one field of view per GQA group".
+            cells each head ranks best, taken in turn, as many as one head's own view at
+            ``effort``) instead of one each, so selection reads each KV head's keys in view once
+            per step rather than once per query head (``HeadForest.select``'s ``group_view``).
+            On by default, with ``effort=1.5``: the shared view then holds 1.5 views' cells, so
+            a head whose mass sits in cells of its own still finds them, and the look-ahead
+            worker keeps up with the decode step (one view per head at effort 1 reads about
+            twice the keys). Section "The defaults: one shared field of view at effort 1.5".
         num_simple, num_composite, promotion, seed, threads: index parameters, passed
             to :class:`icecache.HeadForest` (``None``: the index's defaults). ``threads=None``
             is all cores in a single process; under ``torch.distributed`` with several ranks
@@ -274,8 +277,8 @@ class IceCacheConfig:
     cuda_graphs: bool = True
     step_graph: bool = True
     pool_pages: Optional[int] = None
-    effort: Union[float, Literal["auto"]] = 1.0
-    group_view: bool = False
+    effort: Union[float, Literal["auto"]] = 1.5
+    group_view: bool = True
     num_simple: Optional[int] = None
     num_composite: Optional[int] = None
     promotion: Union[float, Sequence[float], None] = None

@@ -119,9 +119,10 @@ def evaluate_prompts(
     page_size: int = 16,
     full_layers: int = 2,
     threads: Optional[int] = None,
-    effort: Union[float, Literal["auto"]] = 1.0,
+    effort: Union[float, Literal["auto"], None] = None,
     page_format: str = "native",
     refresh: int = 1,
+    group_view: Optional[bool] = None,
     progress: bool = True,
     on_prompt: Optional[Callable[[AgreementResult], None]] = None,
 ) -> AgreementResult:
@@ -132,7 +133,7 @@ def evaluate_prompts(
     at every budget decodes the same steps fed the full cache's tokens, and its argmax at each
     step is compared with the full cache's. IceCache runs with
     ``IceCacheConfig(budget, sink, window, page_size, full_layers, threads, effort, page_format,
-    refresh)``
+    refresh, group_view)`` (``effort`` and ``group_view`` ``None``: the config's defaults)
     (and ``budget_mode="adaptive"`` for ``icecache_adaptive``), ``exact_until_indexed=False``
     (every step retrieves) and its defaults otherwise; the
     emulated methods serve the same layers with the same sink and window.
@@ -167,9 +168,10 @@ def evaluate_prompts(
             full_layers=full_layers,
             threads=threads,
             budget_mode=mode,
-            effort=effort,
+            effort=IceCacheConfig.effort if effort is None else effort,
             page_format=page_format,
             refresh=refresh,
+            group_view=IceCacheConfig.group_view if group_view is None else group_view,
             exact_until_indexed=False,  # every step retrieves: the method is measured, not the bridge
         )
         for m, mode in BUDGET_MODE.items()
@@ -189,6 +191,8 @@ def evaluate_prompts(
     )
     result.info["page_format"] = page_format
     result.info["refresh"] = refresh
+    first = next(iter(configs.values()))
+    result.info["effort"], result.info["group_view"] = first.effort, first.group_view
     enable(model)
     bar = progress_bar(total=len(prompts) * (1 + len(methods) * len(budgets)), desc="agreement", enable=progress)
     try:
@@ -256,7 +260,7 @@ def evaluate_agreement(
     Args:
         model: ``"smollm2"`` or ``"gemma3"`` (:func:`icecache.models.load_model`).
         settings: ``sink``, ``window``, ``page_size``, ``full_layers``, ``threads``, ``effort``,
-            ``page_format``, ``refresh`` (see :func:`evaluate_prompts`).
+            ``page_format``, ``refresh``, ``group_view`` (see :func:`evaluate_prompts`).
     """
     from icecache import models, texts
 

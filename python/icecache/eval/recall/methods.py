@@ -288,7 +288,8 @@ def _sel_device_ranked(
 ) -> List[Selection]:
     """The runtime's choice with fresh selection: ``HeadForest.select`` picks a superset of
     ``max(4 n, 32)`` pages per KV head (``IceCacheConfig.selected_pages``) with this step's
-    queries and the runtime's default ``group_view``, which the device ranks by exact group
+    queries and the runtime's default ``group_view`` and ``effort`` (``effort`` given: that
+    one), which the device ranks by exact group
     mass, each query head's softmax taken over the superset, sink and window tokens as on the
     device; fixed: each head's ``n`` heaviest,
     ``adaptive``: the ``H_kv * n`` pages of all heads with the largest share of their head's
@@ -309,7 +310,7 @@ def _sel_device_ranked(
             queries,
             max(SUPERSET_FACTOR * n, SUPERSET_MIN),
             scale=scale,
-            effort=effort,
+            effort=IceCacheConfig.effort if effort is None else effort,
             group_view=IceCacheConfig.group_view,
         )
         timings["select_s"] = timings.get("select_s", 0.0) + time.perf_counter() - t0
