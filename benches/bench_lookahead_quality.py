@@ -27,11 +27,12 @@ middle's mass on the attended pages). Reported: the mean over everything, per do
 spread over layers.
 
     python benches/bench_lookahead_quality.py [--prose 3] [--code 3] [--tokens 6000]
-        [--configs 52,1,65,32 52,1,65,0 52,2,65,32 26,1,36,32]
+        [--configs 52,1,65,32,1.5,1 52,1,65,32 52,1,65,0 52,2,65,32,1.5,1]
 
 A config is ``superset,refresh,pool,successors[,effort[,group_view]]``: ``effort`` scales the
 field of view (``HeadForest.select``'s ``effort``, default 1) and a last field of 1 makes the
-query heads of each GQA group share one field of view (``group_view``).
+query heads of each GQA group share one field of view (``group_view``). The runtime's defaults
+are ``52,1,65,32,1.5,1`` (the first default config).
 
 ``--grown F``: every forest is built over the first ``F`` of its middle only and the rest is
 inserted 16 tokens at a time (``HeadForest.insert``, as the runtime's window flushes them), so
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prose", type=int, default=3)
     ap.add_argument("--code", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=6000)
-    ap.add_argument("--configs", nargs="+", default=["52,1,65,32", "52,1,65,0", "52,2,65,32", "26,1,36,32"])
+    ap.add_argument("--configs", nargs="+", default=["52,1,65,32,1.5,1", "52,1,65,32", "52,1,65,0", "52,2,65,32,1.5,1"])
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "icecache" / "lookahead"))
     ap.add_argument("--grown", type=float, default=1.0, help="build over this share of each middle, insert the rest")
     args = ap.parse_args(argv)
