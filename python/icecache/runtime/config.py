@@ -232,8 +232,9 @@ class IceCacheConfig:
             per step rather than once per query head (``HeadForest.select``'s ``group_view``).
             On by default, with ``effort=1.5``: the shared view then holds 1.5 views' cells, so
             a head whose mass sits in cells of its own still finds them, and the look-ahead
-            worker keeps up with the decode step (one view per head at effort 1 reads about
-            twice the keys). Section "The defaults: one shared field of view at effort 1.5".
+            worker's selections take about 0.64x the time of one view per head at effort 1
+            (8B shape, 32k, H100 host). Section "The defaults: one shared field of view at
+            effort 1.5".
         num_simple, num_composite, promotion, seed, threads: index parameters, passed
             to :class:`icecache.HeadForest` (``None``: the index's defaults). ``threads=None``
             is all cores in a single process; under ``torch.distributed`` with several ranks
