@@ -42,14 +42,6 @@ pub struct SelectParams {
 /// Most query heads per KV head (a bit each in `Buffers::heads_of`).
 const MAX_GROUP: usize = 128;
 
-/// One key a search scored: `q · k` (its int8 estimate) and where the key lives.
-#[derive(Clone, Copy)]
-struct Scored {
-    score: f32,
-    page: u32,
-    slot: u32,
-}
-
 /// Buffers of one KV head's selection, reused by the heads one worker runs.
 #[derive(Default)]
 struct Buffers {
@@ -57,9 +49,11 @@ struct Buffers {
     /// The quantised queries of the group, `[G, d]`, and their scales.
     qcode: Vec<i8>,
     qscale: Vec<f32>,
-    /// Per query head: its view (cells, best first) and the keys it scored.
+    /// Per query head: its view (cells, best first), the int8 estimates of `q · k` of the keys
+    /// it scored (in scan order), and per scanned page where its keys start in that list.
     views: Vec<Vec<(i64, f32)>>,
-    scored: Vec<Vec<Scored>>,
+    scores: Vec<Vec<f32>>,
+    spans: Vec<Vec<Span>>,
     /// The cells to read, and per cell the query heads whose view holds it (a bit each; all
     /// zero between calls).
     shared: Vec<u32>,
@@ -67,27 +61,70 @@ struct Buffers {
     tq: Vec<f32>,
     dots: Vec<i32>,
     logits: Vec<f32>,
+    /// Per page, one head's mass (zero between heads), and the pages it was given to.
     weights: Vec<f32>,
-    top: Vec<usize>,
+    touched: Vec<u32>,
+    /// A head's `successors` heaviest keys, and `top_n`'s scratch.
+    next: Vec<u32>,
+    top: Vec<(f32, u32)>,
 }
 
-/// Scores `page` for the query heads `js` (their quantised queries `prepared`, `qscale`) into
-/// their lists in `scored`. `dots` is scratch.
-#[allow(clippy::too_many_arguments)]
+/// A scanned page of one query head: its keys' estimates start at `start` in the head's list.
+#[derive(Clone, Copy)]
+struct Span {
+    page: u32,
+    start: u32,
+}
+
+/// Scores `page` for one query head (its quantised query `q`, `qscale`): appends the int8
+/// estimates of `q · k` of the page's keys to the head's `scores`, and the page to its `spans`.
+/// `dots` is scratch.
 fn scan(
     hp: &HeadPages,
     codes: PageCodes<'_>,
     page: u32,
-    js: impl Iterator<Item = usize>,
-    prepared: &[QueryI8<'_>],
-    qscale: &[f32],
-    scored: &mut [Vec<Scored>],
+    (q, qscale): (&QueryI8<'_>, f32),
+    scores: &mut Vec<f32>,
+    spans: &mut Vec<Span>,
     dots: &mut Vec<i32>,
 ) {
-    for j in js {
-        let q = (&prepared[j], qscale[j]);
-        hp.scan_page(codes, page, q, dots, |slot, score| scored[j].push(Scored { score, page, slot: slot as u32 }));
+    spans.push(Span { page, start: scores.len() as u32 });
+    hp.score_page(codes, page, (q, qscale), dots, scores);
+}
+
+/// The indices of the `n` largest of `x` (ties: the earlier), in increasing order, into `out`.
+/// One pass with a rising floor: a value is kept only while it could still be among the best
+/// `n`, and a chunk of sixteen below the floor costs one vectorised comparison. `buf` is scratch.
+fn top_n(x: &[f32], n: usize, buf: &mut Vec<(f32, u32)>, out: &mut Vec<u32>) {
+    out.clear();
+    if n == 0 {
+        return;
     }
+    let best_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    buf.clear();
+    let mut floor = f32::NEG_INFINITY;
+    for (c, chunk) in x.chunks(16).enumerate() {
+        // Most chunks hold nothing above the floor: one vectorised comparison decides.
+        if buf.len() >= n && chunk.iter().map(|&v| (v > floor) as u32).sum::<u32>() == 0 {
+            continue;
+        }
+        for (i, &v) in chunk.iter().enumerate() {
+            if v > floor || buf.len() < n {
+                buf.push((v, (c * 16 + i) as u32));
+                if buf.len() == 2 * n {
+                    buf.select_nth_unstable_by(n - 1, best_first);
+                    buf.truncate(n);
+                    floor = buf[n - 1].0;
+                }
+            }
+        }
+    }
+    if buf.len() > n {
+        buf.select_nth_unstable_by(n - 1, best_first);
+        buf.truncate(n);
+    }
+    out.extend(buf.iter().map(|&(_, i)| i));
+    out.sort_unstable();
 }
 
 impl Buffers {
@@ -99,17 +136,21 @@ impl Buffers {
         for (q, code) in qs.chunks_exact(d).zip(self.qcode.chunks_exact_mut(d)) {
             self.qscale.push(simd::quantize_i8(q, code));
         }
-        self.scored.resize_with(group, Vec::new);
-        self.scored.iter_mut().for_each(|s| s.clear());
+        self.scores.resize_with(group, Vec::new);
+        self.scores.iter_mut().for_each(Vec::clear);
+        self.spans.resize_with(group, Vec::new);
+        self.spans.iter_mut().for_each(Vec::clear);
         self.views.resize_with(group, Vec::new);
     }
 
     /// Exact mode: every query head scores every key of `hp`.
     fn scan_every_page(&mut self, hp: &HeadPages, codes: PageCodes<'_>, d: usize) {
-        let Buffers { qcode, qscale, scored, dots, .. } = self;
+        let Buffers { qcode, qscale, scores, spans, dots, .. } = self;
         let prepared: Vec<QueryI8> = qcode.chunks_exact(d).map(QueryI8::new).collect();
         for page in 0..hp.num_pages() as u32 {
-            scan(hp, codes, page, 0..prepared.len(), &prepared, qscale, scored, dots);
+            for (j, q) in prepared.iter().enumerate() {
+                scan(hp, codes, page, (q, qscale[j]), &mut scores[j], &mut spans[j], dots);
+            }
         }
     }
 
@@ -146,7 +187,7 @@ impl Buffers {
 
     /// Scans the shared cells (`shared_cells`) for the heads each is read for.
     fn scan_cells(&mut self, hp: &HeadPages, codes: PageCodes<'_>, d: usize, group_view: bool) {
-        let Buffers { qcode, qscale, scored, dots, shared, heads_of, .. } = self;
+        let Buffers { qcode, qscale, scores, spans, dots, shared, heads_of, .. } = self;
         let prepared: Vec<QueryI8> = qcode.chunks_exact(d).map(QueryI8::new).collect();
         let group = prepared.len();
         for (i, &cell) in shared.iter().enumerate() {
@@ -159,11 +200,8 @@ impl Buffers {
             }
             let heads = std::mem::take(&mut heads_of[cell as usize]);
             for &page in &hp.cells[cell as usize].pages {
-                if group_view {
-                    scan(hp, codes, page, 0..group, &prepared, qscale, scored, dots);
-                } else {
-                    let js = (0..group).filter(|&j| heads & 1 << j != 0);
-                    scan(hp, codes, page, js, &prepared, qscale, scored, dots);
+                for j in (0..group).filter(|&j| group_view || heads & 1 << j != 0) {
+                    scan(hp, codes, page, (&prepared[j], qscale[j]), &mut scores[j], &mut spans[j], dots);
                 }
             }
         }
@@ -175,32 +213,36 @@ impl Buffers {
     fn page_weights(&mut self, hp: &HeadPages, p: &SelectParams) -> Vec<f32> {
         let np = hp.num_pages();
         let mut sum = vec![0f32; np];
-        for scored in self.scored.iter() {
+        self.weights.resize(np, 0f32);
+        for (scores, spans) in self.scores.iter().zip(&self.spans) {
             self.logits.clear();
-            self.logits.extend(scored.iter().map(|s| s.score * p.scale));
+            self.logits.extend(scores.iter().map(|&s| s * p.scale));
             let total = simd::softmax_numerators(&mut self.logits);
-            self.weights.clear();
-            self.weights.resize(np, 0f32);
-            for (s, &x) in scored.iter().zip(self.logits.iter()) {
-                self.weights[s.page as usize] += x / total;
+            top_n(&self.logits, p.successors.min(self.logits.len()), &mut self.top, &mut self.next);
+            // Each key's weight, divided in one vectorised pass (not one by one as summed).
+            self.logits.iter_mut().for_each(|x| *x /= total);
+            let weights = &self.logits;
+            self.touched.clear();
+            for (k, span) in spans.iter().enumerate() {
+                let end = spans.get(k + 1).map_or(weights.len(), |s| s.start as usize);
+                let mass = weights[span.start as usize..end].iter().fold(0f32, |a, &w| a + w);
+                self.weights[span.page as usize] += mass;
+                self.touched.push(span.page);
             }
-            if p.successors > 0 {
-                let n = p.successors.min(scored.len());
-                let logits = &self.logits;
-                self.top.clear();
-                self.top.extend(0..scored.len());
-                if n < self.top.len() {
-                    self.top.select_nth_unstable_by(n - 1, |&a, &c| logits[c].total_cmp(&logits[a]));
-                }
-                for &i in &self.top[..n] {
-                    let at = scored[i];
-                    let next = hp.page_tokens(at.page)[at.slot as usize] as usize + 1;
-                    if let Some(page) = hp.page_of(next) {
-                        self.weights[page as usize] += logits[i] / total;
-                    }
+            for &i in &self.next {
+                // The span holding key `i`, and the key's slot in its page.
+                let k = spans.partition_point(|s| s.start <= i) - 1;
+                let slot = (i - spans[k].start) as usize;
+                let after = hp.page_tokens(spans[k].page)[slot] as usize + 1;
+                if let Some(page) = hp.page_of(after) {
+                    self.weights[page as usize] += weights[i as usize];
+                    self.touched.push(page);
                 }
             }
-            sum.iter_mut().zip(self.weights.iter()).for_each(|(a, w)| *a += w);
+            // A page given mass twice is added once: the second take finds zero.
+            for &page in &self.touched {
+                sum[page as usize] += std::mem::take(&mut self.weights[page as usize]);
+            }
         }
         sum
     }
@@ -271,5 +313,28 @@ impl HeadForest {
             .zip(weights)
             .for_each(|((out, count), w)| *count = rank_pages(&w, out));
         Ok((pages, counts))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::top_n;
+
+    proptest! {
+        /// Small integers: many ties, which go to the earlier index.
+        #[test]
+        fn top_n_keeps_the_n_largest_in_index_order(x in prop::collection::vec(-8i8..8, 0..300), n in 0usize..80) {
+            let x: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+            let n = n.min(x.len());
+            let mut want: Vec<u32> = (0..x.len() as u32).collect();
+            want.sort_by(|&a, &b| x[b as usize].total_cmp(&x[a as usize]).then(a.cmp(&b)));
+            want.truncate(n);
+            want.sort_unstable();
+            let (mut buf, mut out) = (Vec::new(), vec![7]);
+            top_n(&x, n, &mut buf, &mut out);
+            prop_assert_eq!(out, want);
+        }
     }
 }

@@ -556,7 +556,10 @@ pub fn softmax_numerators(x: &mut [f32]) -> f32 {
         let p = 1.0
             + f * (std::f32::consts::LN_2
                 + f * (0.240_226_5 + f * (0.055_504_11 + f * (0.009_618_129 + f * 0.001_333_355_8))));
-        *v = p * f32::from_bits(((i as i32 + 127) as u32) << 23);
+        // 2^i from its exponent bits: adding 1.5 · 2^23 leaves `i + 127` (in 1..=127) in the
+        // low mantissa bits, a bit cast instead of a float-to-int conversion, which Rust's
+        // saturating `as` would do one lane at a time.
+        *v = p * f32::from_bits((i + (127.0 + 12_582_912.0)).to_bits() << 23);
     }
     let mut acc = [0f32; 16];
     let chunks = x.chunks_exact(16);

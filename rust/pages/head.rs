@@ -335,6 +335,21 @@ impl HeadPages {
         }
     }
 
+    /// `scan_page`, appending the estimates to `out` in slot order.
+    pub fn score_page(
+        &self,
+        codes: PageCodes<'_>,
+        page: u32,
+        (q, qscale): (&QueryI8<'_>, f32),
+        dots: &mut Vec<i32>,
+        out: &mut Vec<f32>,
+    ) {
+        let len = self.page_len[page as usize] as usize;
+        dots.resize(len, 0);
+        q.dot_rows(codes.rows(page, len), dots);
+        out.extend(dots.iter().zip(codes.scales(page, len)).map(|(&dot, scale)| dot as f32 * qscale * scale));
+    }
+
     /// For calibration: the cells holding the `k` best keys of each query of `queries`
     /// (`[nq, d]`), by their int8 estimates over every key.
     pub fn best_keys(&self, codes: PageCodes<'_>, queries: &[f32], k: usize) -> Vec<Vec<u32>> {
