@@ -66,6 +66,7 @@ struct Buffers {
     touched: Vec<u32>,
     /// A head's `successors` heaviest keys, and `top_n`'s scratch.
     next: Vec<u32>,
+    top_chunks: Vec<(f32, u32)>,
     top: Vec<(f32, u32)>,
 }
 
@@ -92,38 +93,38 @@ fn scan(
     hp.score_page(codes, page, (q, qscale), dots, scores);
 }
 
+/// Values per chunk of `top_n`'s first pass.
+const CHUNK: usize = 16;
+
 /// The indices of the `n` largest of `x` (ties: the earlier), in increasing order, into `out`.
-/// One pass with a rising floor: a value is kept only while it could still be among the best
-/// `n`, and a chunk of sixteen below the floor costs one vectorised comparison. `buf` is scratch.
-fn top_n(x: &[f32], n: usize, buf: &mut Vec<(f32, u32)>, out: &mut Vec<u32>) {
+/// Two passes: the chunks' maxima, whose `n`-th largest is a floor (`n` values reach it), then
+/// the values at or above it in the chunks that reach it, a few times `n` of them. `chunks`
+/// and `cand` are scratch.
+fn top_n(x: &[f32], n: usize, chunks: &mut Vec<(f32, u32)>, cand: &mut Vec<(f32, u32)>, out: &mut Vec<u32>) {
     out.clear();
     if n == 0 {
         return;
     }
     let best_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-    buf.clear();
-    let mut floor = f32::NEG_INFINITY;
-    for (c, chunk) in x.chunks(16).enumerate() {
-        // Most chunks hold nothing above the floor: one vectorised comparison decides.
-        if buf.len() >= n && chunk.iter().map(|&v| (v > floor) as u32).sum::<u32>() == 0 {
-            continue;
-        }
-        for (i, &v) in chunk.iter().enumerate() {
-            if v > floor || buf.len() < n {
-                buf.push((v, (c * 16 + i) as u32));
-                if buf.len() == 2 * n {
-                    buf.select_nth_unstable_by(n - 1, best_first);
-                    buf.truncate(n);
-                    floor = buf[n - 1].0;
-                }
-            }
-        }
+    chunks.clear();
+    chunks.extend(x.chunks(CHUNK).zip(0..).map(|(c, i)| (c.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)), i)));
+    let floor = if chunks.len() > n {
+        chunks.select_nth_unstable_by(n - 1, best_first);
+        chunks[n - 1].0
+    } else {
+        f32::NEG_INFINITY
+    };
+    cand.clear();
+    for &(_, c) in chunks.iter().filter(|&&(max, _)| max >= floor) {
+        let at = c as usize * CHUNK;
+        let chunk = &x[at..(at + CHUNK).min(x.len())];
+        cand.extend(chunk.iter().zip(at as u32..).filter(|&(&v, _)| v >= floor).map(|(&v, i)| (v, i)));
     }
-    if buf.len() > n {
-        buf.select_nth_unstable_by(n - 1, best_first);
-        buf.truncate(n);
+    if cand.len() > n {
+        cand.select_nth_unstable_by(n - 1, best_first);
+        cand.truncate(n);
     }
-    out.extend(buf.iter().map(|&(_, i)| i));
+    out.extend(cand.iter().map(|&(_, i)| i));
     out.sort_unstable();
 }
 
@@ -218,7 +219,7 @@ impl Buffers {
             self.logits.clear();
             self.logits.extend(scores.iter().map(|&s| s * p.scale));
             let total = simd::softmax_numerators(&mut self.logits);
-            top_n(&self.logits, p.successors.min(self.logits.len()), &mut self.top, &mut self.next);
+            top_n(&self.logits, p.successors.min(self.logits.len()), &mut self.top_chunks, &mut self.top, &mut self.next);
             // Each key's weight, divided in one vectorised pass (not one by one as summed).
             self.logits.iter_mut().for_each(|x| *x /= total);
             let weights = &self.logits;
@@ -332,8 +333,8 @@ mod tests {
             want.sort_by(|&a, &b| x[b as usize].total_cmp(&x[a as usize]).then(a.cmp(&b)));
             want.truncate(n);
             want.sort_unstable();
-            let (mut buf, mut out) = (Vec::new(), vec![7]);
-            top_n(&x, n, &mut buf, &mut out);
+            let (mut chunks, mut cand, mut out) = (Vec::new(), Vec::new(), vec![7]);
+            top_n(&x, n, &mut chunks, &mut cand, &mut out);
             prop_assert_eq!(out, want);
         }
     }
