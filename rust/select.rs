@@ -219,7 +219,13 @@ impl Buffers {
             self.logits.clear();
             self.logits.extend(scores.iter().map(|&s| s * p.scale));
             let total = simd::softmax_numerators(&mut self.logits);
-            top_n(&self.logits, p.successors.min(self.logits.len()), &mut self.top_chunks, &mut self.top, &mut self.next);
+            top_n(
+                &self.logits,
+                p.successors.min(self.logits.len()),
+                &mut self.top_chunks,
+                &mut self.top,
+                &mut self.next,
+            );
             // Each key's weight, divided in one vectorised pass (not one by one as summed).
             self.logits.iter_mut().for_each(|x| *x /= total);
             let weights = &self.logits;

@@ -317,25 +317,8 @@ impl HeadPages {
         self.tree.search_into(tq, fov, 1.0, s, out);
     }
 
-    /// int8 estimates of `q · k` for the keys of `page` (`q` and `qscale` the quantised query):
-    /// calls `emit(slot, estimate)` for each. `dots` is scratch.
-    pub fn scan_page(
-        &self,
-        codes: PageCodes<'_>,
-        page: u32,
-        (q, qscale): (&QueryI8<'_>, f32),
-        dots: &mut Vec<i32>,
-        mut emit: impl FnMut(usize, f32),
-    ) {
-        let len = self.page_len[page as usize] as usize;
-        dots.resize(len, 0);
-        q.dot_rows(codes.rows(page, len), dots);
-        for (slot, (&dot, scale)) in dots.iter().zip(codes.scales(page, len)).enumerate() {
-            emit(slot, dot as f32 * qscale * scale);
-        }
-    }
-
-    /// `scan_page`, appending the estimates to `out` in slot order.
+    /// int8 estimates of `q · k` for the keys of `page` (`q` and `qscale` the quantised query),
+    /// appended to `out` in slot order. `dots` is scratch.
     pub fn score_page(
         &self,
         codes: PageCodes<'_>,
@@ -359,10 +342,12 @@ impl HeadPages {
                 let mut qcode = vec![0i8; self.dim];
                 let qscale = simd::quantize_i8(q, &mut qcode);
                 let qi8 = QueryI8::new(&qcode);
-                let (mut dots, mut scored) = (Vec::new(), Vec::with_capacity(self.len()));
+                let (mut dots, mut scores, mut scored) = (Vec::new(), Vec::new(), Vec::with_capacity(self.len()));
                 for page in 0..self.num_pages() as u32 {
                     let cell = self.page_cell[page as usize];
-                    self.scan_page(codes, page, (&qi8, qscale), &mut dots, |_, v| scored.push((v, cell)));
+                    scores.clear();
+                    self.score_page(codes, page, (&qi8, qscale), &mut dots, &mut scores);
+                    scored.extend(scores.iter().map(|&v| (v, cell)));
                 }
                 scored.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0));
                 scored[..k].iter().map(|&(_, cell)| cell).collect()
