@@ -93,6 +93,11 @@ fn scan(
     hp.score_page(codes, page, (q, qscale), dots, scores);
 }
 
+/// Orders `(value, index)` pairs largest value first, ties by the lower index.
+fn best_first(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
 /// Values per chunk of `top_n`'s first pass.
 const CHUNK: usize = 16;
 
@@ -105,7 +110,6 @@ fn top_n(x: &[f32], n: usize, chunks: &mut Vec<(f32, u32)>, cand: &mut Vec<(f32,
     if n == 0 {
         return;
     }
-    let best_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
     chunks.clear();
     chunks.extend(x.chunks(CHUNK).zip(0..).map(|(c, i)| (c.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)), i)));
     let floor = if chunks.len() > n {
@@ -261,7 +265,6 @@ fn rank_pages(weights: &[f32], out: &mut [i32]) -> i32 {
     let max_pages = out.len();
     let mut ranked: Vec<(f32, u32)> =
         weights.iter().enumerate().filter(|(_, &w)| w > 0.0).map(|(i, &w)| (w, i as u32)).collect();
-    let best_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
     if ranked.len() > max_pages {
         ranked.select_nth_unstable_by(max_pages - 1, best_first);
         ranked.truncate(max_pages);
