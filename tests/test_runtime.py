@@ -1225,6 +1225,34 @@ def test_chunk_attention_equals_masked_attention():
         chunk_attention(q, k, v, holes, D**-0.5)
 
 
+def test_masked_decode_attention_equals_masked_sdpa():
+    """A step graph's full-layer attention (two products over the KV heads) equals SDPA with
+    the keys repeated per query head and the mask given, holes and padding included; bad shapes
+    are refused."""
+    from icecache.attend.full import masked_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, T, D = 3, 6, 2, 40, 8
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.6
+    mask[:, 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q,
+        k.repeat_interleave(Hq // Hkv, 1),
+        v.repeat_interleave(Hq // Hkv, 1),
+        attn_mask=mask[:, None, None, :],
+        scale=0.3,
+    ).transpose(1, 2)
+    got = masked_decode_attention(q, k, v, mask, 0.3)
+    assert got.shape == (B, 1, Hq, D)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="key_mask"):
+        masked_decode_attention(q, k, v, mask[:, :-1], 0.3)
+    with pytest.raises(ValueError, match="query"):
+        masked_decode_attention(torch.randn(B, Hq, 2, D), k, v, mask, 0.3)
+
+
 def test_pinned_blocks_are_reused_by_size_class_and_trimmed():
     """A runtime's host blocks for chunked prompts: a view of the right shape from a
     power-of-two block; a block given back serves the next take of its size class (the same

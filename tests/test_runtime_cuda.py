@@ -200,6 +200,31 @@ def test_cuda_chunk_attention_matches_masked_attention(split, monkeypatch):
     assert (kind in chunk._cudnn_refused) is not split  # the split call served it, or was not tried
 
 
+@pytest.mark.parametrize("batch, length", [(1, 5000), (3, 1500)])
+def test_cuda_masked_decode_attention_matches_float32_attention(batch, length):
+    """The step graph's full-layer attention in bf16 (float32 logits, softmax and sums) equals
+    float32 SDPA over the keys the mask marks, in bf16's precision."""
+    from icecache.attend.full import masked_decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Hq, Hkv, D = 32, 8, 128
+    q = torch.randn(batch, Hq, 1, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, Hkv, length, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, Hkv, length, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    mask = torch.rand(batch, length, generator=g, device="cuda") < 0.7
+    mask[:, 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(),
+        k.float().repeat_interleave(Hq // Hkv, 1),
+        v.float().repeat_interleave(Hq // Hkv, 1),
+        attn_mask=mask[:, None, None, :],
+        scale=D**-0.5,
+    ).transpose(1, 2)
+    got = masked_decode_attention(q, k, v, mask, D**-0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_bridge_is_exact_then_hands_over(dtype, chunk):

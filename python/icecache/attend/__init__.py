@@ -7,6 +7,9 @@ page pool (semantic pages, each with its own valid length).
 - :mod:`icecache.attend.ranked`: what the runtime runs: logits against every valid device
   token, the pool's pages ranked on the device by their attention mass (or the host's
   selection), softmax and output from the same logits.
+- :mod:`icecache.attend.full`: one query token over a full-cache layer's whole storage under a
+  mask of its written positions (the step graph's full-cache layers).
+- :mod:`icecache.attend.chunk`: a prompt chunk's exact attention over the tokens before it.
 - :mod:`icecache.attend.reference`: plain-torch references over explicitly listed pages, and the
   attention recall of a page selection (tests and evaluation).
 """

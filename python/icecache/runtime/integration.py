@@ -18,7 +18,9 @@ thread-local slot, and the attention function takes it from there:
   while the indexes are still being built (``IceCacheConfig.exact_until_indexed``), SDPA over
   the layer's whole cache, as for a full cache;
 - a full-cache layer in a step graph (:class:`icecache.runtime.stepgraph.StaticFullLayer`, which
-  hands itself over there): SDPA over its whole storage under its mask of written positions.
+  hands itself over there): its whole storage under its mask of written positions, by
+  :func:`icecache.attend.full.masked_decode_attention` (SDPA with a mask would run a kernel that
+  reads each head's keys in one thread block, slower the longer the context).
 
 The mask function is transformers' ``sdpa_mask`` (without a registered mask function,
 transformers silently passes ``attention_mask=None`` and padding would be ignored), except for
@@ -39,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from icecache._util import register_attention
 from icecache.attend.chunk import chunk_attention, left_padding
+from icecache.attend.full import masked_decode_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "ChunkMask", "enable", "register"]
 
@@ -123,10 +126,10 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
     layer = _take(module)
     key_mask = getattr(layer, "key_mask", None)
     if key_mask is not None:  # a full layer in a step graph: its whole storage, under its mask
-        with sdpa_kernel(_DECODE_BACKENDS):
-            return sdpa_attention_forward(
-                module, query, key, value, key_mask[:, None, None, :], dropout=dropout, scaling=scaling, **kwargs
-            )
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            raise ValueError("IceCache's step graph does not support attention logit soft-capping or attention sinks")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return masked_decode_attention(query, key, value, key_mask, scale), None
     if isinstance(attention_mask, ChunkMask):
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
             raise ValueError("IceCache's chunked prefill does not support attention logit soft-capping or sinks")
