@@ -66,6 +66,8 @@ struct Buffers {
     touched: Vec<u32>,
     /// A head's `successors` heaviest keys, and `top_n`'s scratch.
     next: Vec<u32>,
+    /// The position after each of `next`'s keys.
+    after: Vec<u32>,
     top_chunks: Vec<(f32, u32)>,
     top: Vec<(f32, u32)>,
 }
@@ -91,6 +93,23 @@ fn scan(
 ) {
     spans.push(Span { page, start: scores.len() as u32 });
     hp.score_page(codes, page, (q, qscale), dots, scores);
+}
+
+/// `scan` of `page` for every query head of the group (`qs`, their scales), each row read once
+/// for all of them.
+fn scan_group(
+    hp: &HeadPages,
+    codes: PageCodes<'_>,
+    page: u32,
+    qs: (&[QueryI8<'_>], &[f32]),
+    scores: &mut [Vec<f32>],
+    spans: &mut [Vec<Span>],
+    dots: &mut Vec<i32>,
+) {
+    for (spans, scores) in spans.iter_mut().zip(scores.iter()) {
+        spans.push(Span { page, start: scores.len() as u32 });
+    }
+    hp.score_page_group(codes, page, qs, dots, scores);
 }
 
 /// Orders `(value, index)` pairs largest value first, ties by the lower index.
@@ -153,9 +172,7 @@ impl Buffers {
         let Buffers { qcode, qscale, scores, spans, dots, .. } = self;
         let prepared: Vec<QueryI8> = qcode.chunks_exact(d).map(QueryI8::new).collect();
         for page in 0..hp.num_pages() as u32 {
-            for (j, q) in prepared.iter().enumerate() {
-                scan(hp, codes, page, (q, qscale[j]), &mut scores[j], &mut spans[j], dots);
-            }
+            scan_group(hp, codes, page, (&prepared, qscale), scores, spans, dots);
         }
     }
 
@@ -204,8 +221,13 @@ impl Buffers {
                 }
             }
             let heads = std::mem::take(&mut heads_of[cell as usize]);
+            let every = group_view || heads.count_ones() as usize == group;
             for &page in &hp.cells[cell as usize].pages {
-                for j in (0..group).filter(|&j| group_view || heads & 1 << j != 0) {
+                if every {
+                    scan_group(hp, codes, page, (&prepared, qscale), scores, spans, dots);
+                    continue;
+                }
+                for j in (0..group).filter(|&j| heads & 1 << j != 0) {
                     scan(hp, codes, page, (&prepared[j], qscale[j]), &mut scores[j], &mut spans[j], dots);
                 }
             }
@@ -240,12 +262,21 @@ impl Buffers {
                 self.weights[span.page as usize] += mass;
                 self.touched.push(span.page);
             }
+            // The position after each of those keys, then its page: `next` is in increasing
+            // order, as the spans are, so one walk finds each key's span, and the two lookups
+            // (scattered over the head's maps) are made for all keys before any is used, so
+            // that their cache misses overlap.
+            self.after.clear();
+            let mut k = 0;
             for &i in &self.next {
-                // The span holding key `i`, and the key's slot in its page.
-                let k = spans.partition_point(|s| s.start <= i) - 1;
+                while spans.get(k + 1).is_some_and(|s| s.start <= i) {
+                    k += 1;
+                }
                 let slot = (i - spans[k].start) as usize;
-                let after = hp.page_tokens(spans[k].page)[slot] as usize + 1;
-                if let Some(page) = hp.page_of(after) {
+                self.after.push(hp.page_tokens(spans[k].page)[slot] + 1);
+            }
+            for (&i, &after) in self.next.iter().zip(&self.after) {
+                if let Some(page) = hp.page_of(after as usize) {
                     self.weights[page as usize] += weights[i as usize];
                     self.touched.push(page);
                 }

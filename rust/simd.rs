@@ -371,6 +371,44 @@ impl<'a> QueryI8<'a> {
     }
 }
 
+/// `dot_rows_i8` of several queries of one head size against the same rows: `out[j * n + i]`
+/// is query `j`'s product with row `i`, for the `n = rows.len() / dim` rows (`out` holds at
+/// least `qs.len() * n`). With AVX-512 VNNI each row is loaded once for four (or two) queries
+/// at a time, where `QueryI8::dot_rows` loads it once per query.
+pub fn dot_rows_i8_group(qs: &[QueryI8<'_>], rows: &[i8], out: &mut [i32]) {
+    let Some(dim) = qs.first().map(|q| q.q.len()) else { return };
+    if dim == 0 {
+        return;
+    }
+    debug_assert!(qs.iter().all(|q| q.q.len() == dim), "queries of one head size");
+    let n = rows.len() / dim;
+    if n == 0 {
+        return;
+    }
+    let (rows, out) = (&rows[..n * dim], &mut out[..qs.len() * n]);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    while qs.len() - done >= 2 {
+        let v = |j: usize| qs.get(done + j).and_then(|q| q.vnni.as_ref());
+        let rest = &mut out[done * n..];
+        if let (Some(a), Some(b), Some(c), Some(d)) = (v(0), v(1), v(2), v(3)) {
+            // SAFETY: a `vnni::Query` exists only where its features were detected; the rows
+            // are whole rows of the queries' length, and the block of `out` holds `4 * n`.
+            unsafe { vnni::dot_rows_group::<4, 4>([a, b, c, d], rows, &mut rest[..4 * n]) };
+            done += 4;
+        } else if let (Some(a), Some(b)) = (v(0), v(1)) {
+            // SAFETY: as above, with `2 * n`.
+            unsafe { vnni::dot_rows_group::<2, 8>([a, b], rows, &mut rest[..2 * n]) };
+            done += 2;
+        } else {
+            break;
+        }
+    }
+    for (q, o) in qs[done..].iter().zip(out[done * n..].chunks_exact_mut(n)) {
+        q.dot_rows(rows, o);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod vnni {
     use std::arch::x86_64::*;
@@ -451,6 +489,52 @@ mod vnni {
             }
             for (o, r) in outs.into_remainder().iter_mut().zip(blocks.remainder().chunks_exact(dim)) {
                 *o = _mm512_reduce_add_epi32(row_acc(qs, r, tail_mask)) - bias;
+            }
+        }
+    }
+
+    /// `G` queries against blocks of `R = 16 / G` rows: each row is loaded and flipped once
+    /// for all `G`, and the block's sixteen accumulators (query `h`, row `r` at `h * R + r`) are
+    /// summed across lanes together (`sum16`). Rows past the last whole block go one at a time.
+    /// `out[h * n + i]` is query `h`'s product with row `i`, for the `n` rows of `rows`.
+    ///
+    /// # Safety
+    ///
+    /// As for `Query::dot_rows`; the queries share one length, `rows` holds whole rows of it,
+    /// `out` holds `G * n`, and `G * R == 16`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn dot_rows_group<const G: usize, const R: usize>(qs: [&Query; G], rows: &[i8], out: &mut [i32]) {
+        let (dim, chunks, tail_mask) = (qs[0].dim, qs[0].chunks, qs[0].tail_mask);
+        let n = rows.len() / dim;
+        let flip = _mm512_set1_epi8(i8::MIN);
+        let mut biases = [0i32; 16];
+        for (lane, b) in biases.iter_mut().enumerate() {
+            *b = qs[lane / R].bias;
+        }
+        let bias = _mm512_loadu_si512(biases.as_ptr() as *const _);
+        let whole = n / R * R;
+        let mut lanes = [0i32; 16];
+        for first in (0..whole).step_by(R) {
+            let mut accs = [_mm512_setzero_si512(); 16];
+            for c in 0..chunks {
+                let m = if c + 1 == chunks { tail_mask } else { !0 };
+                for r in 0..R {
+                    let v = _mm512_maskz_loadu_epi8(m, rows.as_ptr().add((first + r) * dim + c * 64));
+                    let v = _mm512_xor_si512(v, flip);
+                    for h in 0..G {
+                        accs[h * R + r] = _mm512_dpbusd_epi32(accs[h * R + r], v, qs[h].qs[c]);
+                    }
+                }
+            }
+            _mm512_storeu_si512(lanes.as_mut_ptr() as *mut _, _mm512_sub_epi32(sum16(&accs), bias));
+            for h in 0..G {
+                out[h * n + first..h * n + first + R].copy_from_slice(&lanes[h * R..(h + 1) * R]);
+            }
+        }
+        for i in whole..n {
+            let r = &rows[i * dim..(i + 1) * dim];
+            for h in 0..G {
+                out[h * n + i] = _mm512_reduce_add_epi32(row_acc(&qs[h].qs[..chunks], r, tail_mask)) - qs[h].bias;
             }
         }
     }
@@ -644,6 +728,33 @@ mod tests {
                     let mut short = vec![0i32; n - 1];
                     dot_rows_i8(&q, &rows[..n * dim], &mut short);
                     assert_eq!(short, want[..n - 1], "dim {dim}, {n} rows into {}", n - 1);
+                }
+            }
+        }
+    }
+
+    /// Groups of one to seven queries (blocks of four and two, and one alone), every row
+    /// count around the blocks, head sizes around the register chunks: each query's exact
+    /// products, as `dot_rows_i8` gives them.
+    #[test]
+    fn dot_rows_i8_group_is_exact_for_every_group_and_shape() {
+        for dim in [1usize, 3, 63, 64, 65, 128, 129, 256, 257] {
+            let byte = |i: usize| ((i * 7919 + dim * 31) % 256) as u8 as i8;
+            let rows: Vec<i8> = (0..37 * dim).map(byte).collect();
+            for group in 1..=7 {
+                let codes: Vec<Vec<i8>> =
+                    (0..group).map(|j| (0..dim).map(|i| byte(i * 5 + j * 11 + 2)).collect()).collect();
+                let qs: Vec<QueryI8> = codes.iter().map(|c| QueryI8::new(c)).collect();
+                for n in [0usize, 1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 37] {
+                    let mut got = vec![7i32; group * n];
+                    dot_rows_i8_group(&qs, &rows[..n * dim], &mut got);
+                    for (j, q) in codes.iter().enumerate() {
+                        let want: Vec<i32> = rows[..n * dim]
+                            .chunks_exact(dim)
+                            .map(|r| r.iter().zip(q).map(|(&a, &b)| a as i32 * b as i32).sum())
+                            .collect();
+                        assert_eq!(got[j * n..(j + 1) * n], want, "dim {dim}, group {group}, query {j}, {n} rows");
+                    }
                 }
             }
         }

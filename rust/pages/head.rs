@@ -123,6 +123,12 @@ fn extra(sq_norm: f32, bound: f32) -> f32 {
     (1.0 - sq_norm / (bound * bound)).max(0.0).sqrt()
 }
 
+/// The int8 estimates of `q · k` from the exact products `dots` of a query's codes with rows
+/// of `scales`, the query's scale `qscale`: appended to `out`.
+fn estimates(dots: &[i32], scales: impl Iterator<Item = f32>, qscale: f32, out: &mut Vec<f32>) {
+    out.extend(dots.iter().zip(scales).map(|(&dot, scale)| dot as f32 * qscale * scale));
+}
+
 /// The tree's configuration for a forest configured as `cfg`: over points of `dim + 1`, with the
 /// promotion ratios above the leaves (a cell's point is a leaf cell's owner one tier up).
 fn tree_config(cfg: &Config) -> Config {
@@ -330,7 +336,25 @@ impl HeadPages {
         let len = self.page_len[page as usize] as usize;
         dots.resize(len, 0);
         q.dot_rows(codes.rows(page, len), dots);
-        out.extend(dots.iter().zip(codes.scales(page, len)).map(|(&dot, scale)| dot as f32 * qscale * scale));
+        estimates(dots, codes.scales(page, len), qscale, out);
+    }
+
+    /// `score_page` for several queries at once (`qs`, their scales `qscales`), each row read
+    /// once for all of them: query `j`'s estimates are appended to `outs[j]`.
+    pub fn score_page_group(
+        &self,
+        codes: PageCodes<'_>,
+        page: u32,
+        (qs, qscales): (&[QueryI8<'_>], &[f32]),
+        dots: &mut Vec<i32>,
+        outs: &mut [Vec<f32>],
+    ) {
+        let len = self.page_len[page as usize] as usize;
+        dots.resize(qs.len() * len, 0);
+        simd::dot_rows_i8_group(qs, codes.rows(page, len), dots);
+        for ((d, &qscale), out) in dots.chunks_exact(len.max(1)).zip(qscales).zip(outs) {
+            estimates(d, codes.scales(page, len), qscale, out);
+        }
     }
 
     /// For calibration: the cells holding the `k` best keys of each query of `queries`
