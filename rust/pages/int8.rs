@@ -78,16 +78,21 @@ impl<'a> PageCodes<'a> {
         bytemuck::cast_slice(&self.page(page)[..len * self.dim])
     }
 
-    /// Asks the CPU to start loading `page`'s first `len` rows into cache (a hint: no effect
-    /// where the target has no prefetch instruction).
+    /// Asks the CPU to start loading `page`'s first `len` rows and their scales into cache (a
+    /// hint: no effect where the target has no prefetch instruction).
     pub fn prefetch(&self, page: u32, len: usize) {
         #[cfg(target_arch = "x86_64")]
-        for line in self.page(page)[..len * self.dim].chunks(64) {
-            // SAFETY: a prefetch never faults and changes no state but the cache; the address is
-            // inside a live slice.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8)
-            };
+        {
+            let bytes = self.page(page);
+            let scales = self.page_size * self.dim;
+            let lines = bytes[..len * self.dim].chunks(64).chain(bytes[scales..scales + len * SCALE_BYTES].chunks(64));
+            for line in lines {
+                // SAFETY: a prefetch never faults and changes no state but the cache; the
+                // address is inside a live slice.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8)
+                };
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (page, len);
