@@ -14,7 +14,9 @@ Variants (each from an empty cache, in the order given, after one warm-up prefil
 Per variant: the peak of ``torch.cuda.max_memory_allocated()`` beyond the weights over prefill
 and decode; the device memory held while decoding; the prefill's time (every chunk's forward,
 synced); the time to the second token (prefill + one decode step, which for IceCache includes
-waiting for the last index work); the median time per token over ``--steps`` decode steps. A
+waiting for the last index work); for IceCache the steps bridged until every index was ready,
+their median time and the share of IceCache layer steps among them that attended the whole
+cache; the median time per token over ``--steps`` decode steps. A
 variant that runs out of device memory is reported as such. ``--memory-cap-gib`` caps the
 process as a smaller card would (``torch.cuda.set_per_process_memory_fraction``). After
 ``--max-bridged`` bridged steps the run waits for the indexes (reported as ``waited``);
@@ -174,6 +176,11 @@ def main(argv=None) -> int:
         row["tpot_ms"] = 1e3 * statistics.median(times) if times else None
         if isinstance(cache, IceCache):
             row["bridged_steps"] = len(bridged)
+            # Of the IceCache layer steps from the first decode step to the last bridged one,
+            # the share that attended the whole cache (each reuse group leaves once its own
+            # index is ready).
+            layer_steps = (1 + len(bridged)) * cache.runtime.served_layers
+            row["bridged_layer_share"] = cache.stats.bridged_steps / layer_steps if bridged else None
             row["bridged_ms"] = 1e3 * statistics.median(bridged) if bridged else None
             row["retrieval_from_s"] = ready  # the indexes ready: the first step that retrieves
             row["waited_after_bridged_s"] = waited
@@ -202,14 +209,17 @@ def main(argv=None) -> int:
             results.append(row)
             log(json.dumps(row))
     log(
-        "| context | variant | chunk | peak GiB | held GiB | prefill s | TTST s | bridged steps (ms) "
+        "| context | variant | chunk | peak GiB | held GiB | prefill s | TTST s | bridged steps (ms; layer share) "
         "| retrieval from s | TPOT ms |"
     )
     for r in results:
         if "oom" in r:
             log(f"| {r['context']} | {r['variant']} | - | {r['oom']} | | | | | | |")
             continue
-        bridged = f"{r['bridged_steps']} ({r['bridged_ms'] or 0:.0f})" if "bridged_steps" in r else "-"
+        bridged = "-"
+        if "bridged_steps" in r:
+            share = r["bridged_layer_share"]
+            bridged = f"{r['bridged_steps']} ({r['bridged_ms'] or 0:.0f}; {'-' if share is None else f'{share:.2f}'})"
         ready = f"{r['retrieval_from_s']:.2f}" if "retrieval_from_s" in r else "-"
         log(
             f"| {r['context']} | {r['variant']} | {r['chunk']} | {r['peak_gib']:.2f} | {r['held_gib']:.2f} | "

@@ -25,6 +25,7 @@ from icecache.attend import attention_recall, ranked_decode_attention, sparse_de
 from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 from icecache.runtime.layer import IceLayer  # noqa: E402
 from icecache.runtime.pages import PageIndex, PageStore  # noqa: E402
+from icecache.runtime.runtime import Runtime  # noqa: E402
 from icecache.runtime.step import DeviceStep  # noqa: E402
 from transformers import (  # noqa: E402
     DynamicCache,
@@ -797,7 +798,76 @@ def test_bridge_is_exact_until_indexed_then_hands_its_tokens_over(reuse, page_fo
                     assert ((stored - want).abs() <= step * 0.5001 + 1e-7).all()
 
 
-def test_bridge_of_a_prefilled_cache_owns_its_prompt():
+def _hold_index_worker(monkeypatch) -> threading.Event:
+    """Every runtime's index worker held until the returned event is set: a job queued before
+    the first one submitted (a prompt's), so every layer bridges until then."""
+    released = threading.Event()
+    submit = Runtime.submit
+
+    def held_first(self, fn, *args, **kwargs):
+        if not getattr(self, "_held", False):
+            self._held = True
+            submit(self, released.wait, 60)
+        submit(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, "submit", held_first)
+    return released
+
+
+@pytest.mark.parametrize("reuse, chunk", [(1, None), (2, None), (1, 64), (2, 50)])
+def test_each_reuse_group_leaves_the_bridge_once_its_own_index_is_ready(monkeypatch, reuse, chunk):
+    """A reuse group leaves its bridge as soon as its own index jobs are done, while the worker
+    still indexes the later layers (here: their builds wait for a release); the later groups
+    bridge on and leave after the release. Decoding is exact at full budget throughout, from
+    the bridged layers and the indexed ones alike."""
+    model = tiny_model("llama")
+    ids = prompt_ids(300, seed=21)
+    full = run_steps(model, ids, DynamicCache(config=model.config), 40)
+    released = threading.Event()
+    first = {}  # the first IceCache layer's group, once the cache exists
+    # The build that the first decode step waits for: a prompt of one chunk is indexed as it
+    # comes, one of several in one build at the first decode step.
+    blocked = "index_prompt" if chunk is None else "_index_whole"
+    submit = Runtime.submit
+
+    def later_groups_wait(self, fn, *args, group=None):
+        if group is not None and group != first["group"] and getattr(fn, "__name__", "") == blocked:
+            build = fn
+
+            def fn(*a):
+                released.wait(60)
+                return build(*a)
+
+        submit(self, fn, *args, group=group)
+
+    monkeypatch.setattr(Runtime, "submit", later_groups_wait)
+    cache = IceCache(IceCacheConfig(budget=1024, full_layers=1, reuse=reuse, page_format="native"), model)
+    layers = ice_layers(cache)
+    first["group"] = layers[0].group
+    bridging = []
+
+    def after_step():
+        bridging.append([layer.bridging for layer in layers])
+        if len(bridging) == 20:
+            released.set()
+            cache.wait_indexed()
+
+    try:
+        ice = run_steps(model, ids, cache, 40, after_step=after_step, chunk=chunk)
+    finally:
+        released.set()
+    torch.testing.assert_close(ice, full, rtol=1e-5, atol=1e-5)
+    mine = [layer.group == first["group"] for layer in layers]
+    assert sum(mine) == reuse and len(layers) > reuse
+    # Held: the first group has left, together; every later layer still bridges.
+    assert bridging[19] == [not m for m in mine]
+    assert all(len({b for b, m in zip(step, mine) if m}) == 1 for step in bridging)  # a group leaves whole
+    # Released: the backlog goes to the worker, then the later groups leave too.
+    assert not any(any(step) for step in bridging[22:])
+    assert cache.stats.bridged_steps < 40 * len(layers)
+
+
+def test_bridge_of_a_prefilled_cache_owns_its_prompt(monkeypatch):
     """``from_prefilled`` with the bridge: the bridged steps attend a copy of the source's
     prompt, so changing the source in place (older transformers' ``reset`` zeroes it) changes
     nothing."""
@@ -807,10 +877,9 @@ def test_bridge_of_a_prefilled_cache_owns_its_prompt():
     with torch.inference_mode():
         model(ids[:, :-1], cache=prefix)
     full = run_steps(model, ids[:, -1:], copy.deepcopy(prefix), 6)
-    released = threading.Event()
+    released = _hold_index_worker(monkeypatch)  # every step bridged
     cfg = IceCacheConfig(budget=1024, full_layers=1)
     ice_cache = IceCache.from_prefilled(cfg, model, prefix)
-    ice_cache.runtime.submit(released.wait, 60)  # every step bridged
     with torch.inference_mode():
         for layer in prefix.layers:
             layer.keys.zero_()
@@ -908,7 +977,7 @@ def test_prefill_index_failure_surfaces_at_decode_and_stays(monkeypatch, exact_u
         if exact_until_indexed:
             # Steps attend the whole cache until every index job has ended (however slow the
             # worker is); the failure surfaces at the first step after that.
-            concurrent.futures.wait(cache.runtime._pending)
+            concurrent.futures.wait([job for _, job in cache.runtime._pending])
         for _ in range(2):  # every later step fails the same way, nothing half-done is used
             with pytest.raises(RuntimeError, match="index build failed"):
                 model(token, **{CACHE_KW: cache})

@@ -1,19 +1,19 @@
 """The bridge (``IceCacheConfig.exact_until_indexed``): decode steps attend a layer's whole
-cache on the device until every index is ready, then the layers leave it together.
+cache on the device until its index is ready; each reuse group leaves it once its own index
+jobs are done, while the layers after it may still be indexed.
 
 Per layer, a :class:`Bridge` holds the prompt's keys and values with the tokens decoded since
 (on the device, or, for a prompt that came in chunks, mostly on the host, streamed back to the
 device layer by layer at each step, as the chunks' attention read it) and moves the tokens that
 left the window into the index: by catch-up jobs on the index
-worker while the bridge goes on, and the last few itself when it ends. :class:`Bridges`, one
-per cache, decides once per step whether that step is bridged, so that every layer leaves at
-the same step (docs/ARCHITECTURE.md, section Runtime).
+worker while the bridge goes on, and the rest itself when it ends. :class:`Bridges`, one per
+cache, decides once per step, at its first IceCache layer, which layers that step bridges, so
+that a reuse group's layers leave at the same step (docs/ARCHITECTURE.md, section Runtime).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from enum import Enum
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,9 +25,10 @@ from icecache.runtime.window import DeviceWindow
 __all__ = ["CATCH_UP_ON_THE_STEP", "Bridge", "Bridges"]
 
 #: The step that leaves the bridge moves at most this many tokens per sequence into the index
-#: itself (a page); a larger backlog goes to the index worker first, while the bridge goes on,
-#: because moving it on the step stalls that step (benches/RESULTS.md, section "Decode from the
-#: whole cache until the index is ready").
+#: itself (a page) when the index worker is free; a larger backlog goes to the worker first,
+#: while the bridge goes on, because moving it on the step stalls that step (benches/RESULTS.md,
+#: section "Decode from the whole cache until the index is ready"). While the worker still
+#: indexes later layers, the step moves any backlog itself (:meth:`Bridges.decide`).
 CATCH_UP_ON_THE_STEP = 16
 
 
@@ -173,24 +174,22 @@ class Bridge:
             self._window.refill(b, k_rest[:, c:], v_rest[:, c:])
 
 
-class _Decision(Enum):
-    BRIDGE = "bridge"  # jobs still run
-    CATCH_UP = "catch up"  # the jobs are done, but more than a page waits: to the worker first
-    LEAVE = "leave"
-
-
 class Bridges:
     """The bridges of one cache's layers, in layer order (a reuse group's leader first), and
     the policy of when they end."""
 
     def __init__(self) -> None:
         self._of_layer: Dict[int, Bridge] = {}
-        # The decode position the decision was taken at, and whether that step is bridged.
+        # Each bridged layer's reuse group (its leader's layer index).
+        self._group_of: Dict[int, int] = {}
+        # The decode position the last decision was taken at, and the groups it let leave.
         self._decided_at = -1
-        self._bridged = False
+        self._leaving: List[int] = []
 
-    def add(self, layer_idx: int, bridge: Bridge) -> None:
+    def add(self, layer_idx: int, bridge: Bridge, group: int) -> None:
+        """Layer ``layer_idx``'s bridge, for reuse group ``group`` (its leader's layer index)."""
         self._of_layer[layer_idx] = bridge
+        self._group_of[layer_idx] = group
 
     @property
     def active(self) -> bool:
@@ -201,40 +200,54 @@ class Bridges:
         """Layer ``layer_idx``'s bridge while it lasts."""
         return self._of_layer.get(layer_idx)
 
-    def decide(self, position: int, pending: Sequence[Future]) -> bool:
-        """Decide whether the decode step at ``position`` still attends the prompt's whole cache,
-        and return that: it does while any prompt or catch-up job (``pending``) is unfinished,
-        or while more than :data:`CATCH_UP_ON_THE_STEP` tokens per sequence wait for the index,
-        which this call then hands to the worker. Decided once per step, at its first IceCache
-        layer, so that every layer leaves at the same step (a layer's first insert must not race
-        the worker still writing the pages of the layers that follow its layout)."""
-        if position != self._decided_at:
-            self._decided_at = position
-            decision = self._decision(pending)
-            if decision is _Decision.CATCH_UP:
-                for bridge in self._of_layer.values():  # in layer order: a reuse group's leader first
+    def _groups(self) -> Dict[int, List[Bridge]]:
+        """The bridges of each reuse group, groups and layers in layer order."""
+        groups: Dict[int, List[Bridge]] = {}
+        for layer_idx, bridge in self._of_layer.items():
+            groups.setdefault(self._group_of[layer_idx], []).append(bridge)
+        return groups
+
+    def decide(self, position: int, pending: Sequence[Tuple[Optional[int], Future]]) -> List[int]:
+        """Decide, for the decode step at ``position``, which reuse groups leave their bridges;
+        returns them (the caller has them :meth:`leave`). A group bridges on while any of its
+        jobs (``pending``: the index worker's unfinished jobs with their groups) runs. Once
+        they are done it leaves, moving the tokens decoded meanwhile into its index on the
+        step; except where more than :data:`CATCH_UP_ON_THE_STEP` of them per sequence wait
+        and the worker has nothing else to do: then they go to the worker first (this call
+        submits them) and the group bridges on. While the worker still indexes later layers,
+        a catch-up job would queue behind them, so the group moves its backlog itself.
+        Decided once per step, at its first IceCache layer: a reuse group's layers leave at
+        the same step (a leader's first insert must not race the worker still writing the
+        pages of the layers that follow its layout). Asked again at the same position, the
+        groups of that decision that have not left yet (a failed job raised as they left)."""
+        if position == self._decided_at:
+            return [g for g in self._leaving if g in self._group_of.values()]
+        self._decided_at = position
+        busy = any(not f.done() for _, f in pending)
+        leaving = []
+        for group, bridges in self._groups().items():
+            jobs = [f for g, f in pending if g == group]
+            if not all(f.done() for f in jobs):
+                continue
+            # A failed job: leave, and the step raises its error.
+            failed = any(f.exception() is not None for f in jobs)
+            if failed or busy or bridges[0].backlog() <= CATCH_UP_ON_THE_STEP:
+                leaving.append(group)
+            else:
+                for bridge in bridges:  # in layer order: the group's leader first
                     bridge.submit_catch_up()
-            self._bridged = decision is not _Decision.LEAVE
-        return self._bridged
+        self._leaving = leaving
+        return leaving
 
-    def _decision(self, pending: Sequence[Future]) -> _Decision:
-        if not all(f.done() for f in pending):
-            return _Decision.BRIDGE
-        # A failed job: leave, and the step raises its error.
-        if not self._of_layer or any(f.exception() is not None for f in pending):
-            return _Decision.LEAVE
-        if next(iter(self._of_layer.values())).backlog() <= CATCH_UP_ON_THE_STEP:
-            return _Decision.LEAVE
-        return _Decision.CATCH_UP
-
-    def leave(self) -> None:
-        """Every bridge hands its tokens over, all at once before any layer's first job: a
-        leader's first job inserts the page its window flushes, which the layers that follow its
-        layout must not see before their own catch-up. Frees the bridges' device copies."""
-        bridges, self._of_layer = self._of_layer, {}
-        for bridge in bridges.values():
-            bridge.hand_over()
+    def leave(self, group: int) -> None:
+        """The bridges of reuse group ``group`` hand their tokens over, all at once before any
+        of its layers' first job: a leader's first job inserts the page its window flushes,
+        which the layers that follow its layout must not see before their own catch-up. Frees
+        the bridges' device copies."""
+        for layer_idx in [i for i, g in self._group_of.items() if g == group]:
+            self._group_of.pop(layer_idx)
+            self._of_layer.pop(layer_idx).hand_over()
 
     def forget(self) -> None:
         """No bridges and no decision (a new prompt)."""
-        self._of_layer, self._decided_at, self._bridged = {}, -1, False
+        self._of_layer, self._group_of, self._decided_at, self._leaving = {}, {}, -1, []

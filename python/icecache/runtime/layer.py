@@ -8,6 +8,7 @@ host side with its look-ahead jobs (:mod:`.jobs`), the bridge while the indexes 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -176,22 +177,23 @@ class IceLayer(CacheLayerMixin):
                 f"{self.layer_idx} got {T} tokens after the first decode step (speculative "
                 "decoding is not supported)"
             )
+        if self.runtime.bridges.active:
+            self.runtime.decide_bridging(self.length)
         bridge = self.bridge
         if bridge is not None:
-            if self.runtime.decide_bridging(self.length):
-                bridge.append(key_states.to(self.device), value_states.to(self.device))
-                self.length += 1
-                self.runtime.stats.bridged_steps += 1
-                k_all, v_all = bridge.attended()
-                after = self.next_layer
-                if self.device.type == "cuda" and after is not None and after.layer_idx > self.layer_idx:
-                    ahead = after.bridge
-                    if ahead is not None:
-                        ahead.prefetch(self.runtime.copy_stream())
-                hand_off(self)
-                return k_all, v_all
-            self.runtime.leave_bridges()
-        self.runtime.wait_indexed()
+            bridge.append(key_states.to(self.device), value_states.to(self.device))
+            self.length += 1
+            self.runtime.stats.bridged_steps += 1
+            k_all, v_all = bridge.attended()
+            after = self.next_layer
+            if self.device.type == "cuda" and after is not None and after.layer_idx > self.layer_idx:
+                ahead = after.bridge
+                if ahead is not None:
+                    ahead.prefetch(self.runtime.copy_stream())
+            hand_off(self)
+            return k_all, v_all
+        # While other layers bridge on, only this layer's group need be indexed.
+        self.runtime.wait_indexed(group=self.group if self.runtime.bridges.active else None)
         t = time.perf_counter()
         k, v = key_states.to(self.device), value_states.to(self.device)
         self.window.append(self.jobs.buffers())
@@ -238,6 +240,11 @@ class IceLayer(CacheLayerMixin):
     def stores(self) -> List[PageStore]:
         """Per sequence, the CPU page stores of this layer."""
         return self.jobs.stores
+
+    @property
+    def group(self) -> int:
+        """This layer's reuse group: its leader's layer index (its own if it leads)."""
+        return self.layer_idx if self.leader is None else self.leader.layer_idx
 
     @property
     def indexes(self) -> List[PageIndex]:
@@ -339,7 +346,7 @@ class IceLayer(CacheLayerMixin):
             if self.device.type == "cuda":
                 ready = torch.cuda.Event()
                 ready.record()
-            self.runtime.submit(self.jobs.index_prompt, middles, ready)
+            self.runtime.submit(self.jobs.index_prompt, middles, ready, group=self.group)
 
     def _index_whole(
         self,
@@ -397,9 +404,9 @@ class IceLayer(CacheLayerMixin):
         if self._chunks > 1:
             parts = [(b, min(cfg.sink, self._real[b]), i) for b, i in enumerate(self._indexed) if i > 0]
             q_last = [None if q is None else q.cpu() for q in self._q_last]
-            self.runtime.submit(self._index_whole, parts, valid, self.prefix, q_last)
+            self.runtime.submit(self._index_whole, parts, valid, self.prefix, q_last, group=self.group)
         if any(i > 0 for i in self._indexed) and cfg.exact_until_indexed:
-            self.runtime.bridges.add(self.layer_idx, self._bridge(valid, unindexed))
+            self.runtime.bridges.add(self.layer_idx, self._bridge(valid, unindexed), self.group)
         # Dropped here: the index jobs and a bridge that still read it hold it until they end.
         self.prefix = HostPrefix(self.runtime.device, self.runtime.pinned)
         self._first_chunk = None
@@ -428,7 +435,7 @@ class IceLayer(CacheLayerMixin):
             padding,
             window=self.window,
             catch_up=self.jobs.catch_up,
-            submit=self.runtime.submit,
+            submit=functools.partial(self.runtime.submit, group=self.group),
             transit=self.runtime.transit,
             host=host,
         )

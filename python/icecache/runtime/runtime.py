@@ -7,7 +7,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -132,7 +132,9 @@ class Runtime:
         self._host_checked = 0
         self._host_available: Optional[int] = None
         self._index_worker: Optional[ThreadPoolExecutor] = None
-        self._pending: List[Future] = []
+        # The index worker's unfinished jobs, each with its reuse group (its leader's layer
+        # index; ``None``: no group's).
+        self._pending: List[Tuple[Optional[int], Future]] = []
         # None until their accessors make them.
         self._made_lookahead_worker: Optional[_core.LookAhead] = None
         self._made_graph_pool: Optional[Any] = None
@@ -159,28 +161,32 @@ class Runtime:
             self._made_copy_stream = torch.cuda.Stream(self.device)
         return self._made_copy_stream
 
-    def submit(self, fn, *args) -> None:
+    def submit(self, fn, *args, group: Optional[int] = None) -> None:
         """Run ``fn(*args)`` on the index worker: one thread, jobs in submission order (so a
-        reuse group's leader is indexed before the layers that follow its layout)."""
+        reuse group's leader is indexed before the layers that follow its layout). ``group``:
+        the reuse group the job indexes (its leader's layer index), which waits for it."""
         if self._index_worker is None:
             self._index_worker = ThreadPoolExecutor(1, thread_name_prefix="icecache-index")
-        self._pending.append(self._index_worker.submit(fn, *args))
+        self._pending.append((group, self._index_worker.submit(fn, *args)))
 
-    def wait_indexed(self, errors: bool = True) -> None:
-        """Wait until every submitted prompt is offloaded and indexed. Decoding waits for all
-        layers at once: a layer's first insert would otherwise race the worker still writing
-        the pages of the layers that follow its layout. Re-raises a failed job's error at every
-        call (``errors=False``: forget failed jobs)."""
-        if not self._pending:
+    def wait_indexed(self, errors: bool = True, group: Optional[int] = None) -> None:
+        """Wait until every submitted prompt is offloaded and indexed, or (``group``) that reuse
+        group's jobs: a layer decodes from its index once its group's jobs are done, since its
+        first insert must not race the worker still writing the pages of the layers that
+        follow its layout, and nothing else of the group's is shared with the worker's later
+        jobs. Re-raises a failed job's error at every call (``errors=False``: forget failed
+        jobs)."""
+        mine = [(g, f) for g, f in self._pending if group is None or g == group]
+        if not mine:
             return
         t = time.perf_counter()
-        while self._pending:
+        for job in mine:
             try:
-                self._pending[0].result()
+                job[1].result()
             except BaseException:
                 if errors:
                     raise
-            self._pending.pop(0)
+            self._pending.remove(job)
         self.stats.index_wait_s += time.perf_counter() - t
 
     def check_prompt_memory(self, length: int, batch: int, per_token: int) -> None:
@@ -197,19 +203,16 @@ class Runtime:
             hostmem.check_prompt_fits(length * batch, per_token, self.served_layers, self._host_available)
             self._host_checked = length
 
-    def decide_bridging(self, position: int) -> bool:
-        """Decide whether the decode step at ``position`` still attends the prompt's whole cache,
-        and return that (:meth:`Bridges.decide`, over the index worker's unfinished jobs: the
-        step's first layer decides, and may hand catch-up jobs to the worker)."""
-        return self.bridges.decide(position, self._pending)
-
-    def leave_bridges(self) -> None:
-        """Every layer leaves its bridge (:meth:`Bridges.leave`). Raises a failed prompt job's
-        error first."""
-        self.wait_indexed()
-        t = time.perf_counter()
-        self.bridges.leave()
-        self.stats.catch_up_s += time.perf_counter() - t
+    def decide_bridging(self, position: int) -> None:
+        """Decide which layers the decode step at ``position`` still bridges (:meth:`Bridges.decide`,
+        over the index worker's unfinished jobs: the step's first layer decides, and may hand
+        catch-up jobs to the worker), and have the reuse groups whose jobs are done leave their
+        bridges now, before any layer's step. Raises a failed prompt job's error."""
+        for group in self.bridges.decide(position, self._pending):
+            self.wait_indexed(group=group)
+            t = time.perf_counter()
+            self.bridges.leave(group)
+            self.stats.catch_up_s += time.perf_counter() - t
 
     def forget(self) -> None:
         """Fresh counters and bridge state for a new prompt (the jobs must be finished), and a
