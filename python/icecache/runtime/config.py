@@ -181,11 +181,12 @@ class IceCacheConfig:
             attention mass under its own queries and attends the heaviest ``retrieved_pages``.
             ``False``: fresh selection, each step waits for the host to select from its own
             queries (the exact reference, slower).
-        exact_until_indexed: decode from the prompt's whole cache on the device until every
-            layer's index, built on a worker thread, is ready (default), so the first tokens
-            come at the full cache's pace (the prefill pipeline holds the prompt's keys and
-            values on the device until the worker has copied them anyway). The first step after
-            that moves the tokens decoded meanwhile into the index and the window, frees the
+        exact_until_indexed: decode each layer from its prompt's whole cache until its index,
+            built on a worker thread, is ready (default), so the first tokens come at the full
+            cache's pace (the prefill pipeline holds the prompt's keys and values on the device
+            until the worker has copied them anyway; after a prompt in chunks they are read back
+            from the host). The first step after a layer's (its reuse group's) index is ready
+            moves the tokens decoded meanwhile into the index and the window, frees the
             prompt's device copy and starts retrieving; that step depends on how fast the host
             builds, so the tokens generated can differ between runs and machines. ``False``: the
             first decode step waits for the indexes (reproducible; the prompt leaves the device
