@@ -52,8 +52,9 @@ SINK, PAGE, PAGES, STEPS = 16, 16, 13, 16
 
 
 def capture(name: str, ids, model, cache_dir: Path) -> dict:
-    """Q (last 400 positions), K, V of every layer for one document, cached."""
-    path = cache_dir / f"{name}.npz"
+    """Q (last 400 positions), K, V of every layer for one document, cached (by name and
+    length: ``--tokens`` changes the documents)."""
+    path = cache_dir / f"{name}-{len(ids)}.npz"
     if not path.exists():
         from icecache.capture import capture_qkv
 
