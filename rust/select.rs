@@ -79,25 +79,10 @@ struct Span {
     start: u32,
 }
 
-/// Scores `page` for one query head (its quantised query `q`, `qscale`): appends the int8
-/// estimates of `q · k` of the page's keys to the head's `scores`, and the page to its `spans`.
-/// `dots` is scratch.
+/// Scores `page` for the query heads `qs` (their quantised queries and scales), each row read
+/// once for all of them: appends the int8 estimates of `q · k` of the page's keys to each head's
+/// `scores`, and the page to its `spans`. `dots` is scratch.
 fn scan(
-    hp: &HeadPages,
-    codes: PageCodes<'_>,
-    page: u32,
-    (q, qscale): (&QueryI8<'_>, f32),
-    scores: &mut Vec<f32>,
-    spans: &mut Vec<Span>,
-    dots: &mut Vec<i32>,
-) {
-    spans.push(Span { page, start: scores.len() as u32 });
-    hp.score_page(codes, page, (q, qscale), dots, scores);
-}
-
-/// `scan` of `page` for every query head of the group (`qs`, their scales), each row read once
-/// for all of them.
-fn scan_group(
     hp: &HeadPages,
     codes: PageCodes<'_>,
     page: u32,
@@ -109,7 +94,7 @@ fn scan_group(
     for (spans, scores) in spans.iter_mut().zip(scores.iter()) {
         spans.push(Span { page, start: scores.len() as u32 });
     }
-    hp.score_page_group(codes, page, qs, dots, scores);
+    hp.score_page(codes, page, qs, dots, scores);
 }
 
 /// Orders `(value, index)` pairs largest value first, ties by the lower index.
@@ -172,7 +157,7 @@ impl Buffers {
         let Buffers { qcode, qscale, scores, spans, dots, .. } = self;
         let prepared: Vec<QueryI8> = qcode.chunks_exact(d).map(QueryI8::new).collect();
         for page in 0..hp.num_pages() as u32 {
-            scan_group(hp, codes, page, (&prepared, qscale), scores, spans, dots);
+            scan(hp, codes, page, (&prepared, qscale), scores, spans, dots);
         }
     }
 
@@ -224,11 +209,12 @@ impl Buffers {
             let every = group_view || heads.count_ones() as usize == group;
             for &page in &hp.cells[cell as usize].pages {
                 if every {
-                    scan_group(hp, codes, page, (&prepared, qscale), scores, spans, dots);
+                    scan(hp, codes, page, (&prepared, qscale), scores, spans, dots);
                     continue;
                 }
                 for j in (0..group).filter(|&j| heads & 1 << j != 0) {
-                    scan(hp, codes, page, (&prepared[j], qscale[j]), &mut scores[j], &mut spans[j], dots);
+                    let head = (std::slice::from_ref(&prepared[j]), &qscale[j..j + 1]);
+                    scan(hp, codes, page, head, &mut scores[j..j + 1], &mut spans[j..j + 1], dots);
                 }
             }
         }

@@ -123,12 +123,6 @@ fn extra(sq_norm: f32, bound: f32) -> f32 {
     (1.0 - sq_norm / (bound * bound)).max(0.0).sqrt()
 }
 
-/// The int8 estimates of `q · k` from the exact products `dots` of a query's codes with rows
-/// of `scales`, the query's scale `qscale`: appended to `out`.
-fn estimates(dots: &[i32], scales: impl Iterator<Item = f32>, qscale: f32, out: &mut Vec<f32>) {
-    out.extend(dots.iter().zip(scales).map(|(&dot, scale)| dot as f32 * qscale * scale));
-}
-
 /// The tree's configuration for a forest configured as `cfg`: over points of `dim + 1`, with the
 /// promotion ratios above the leaves (a cell's point is a leaf cell's owner one tier up).
 fn tree_config(cfg: &Config) -> Config {
@@ -323,25 +317,10 @@ impl HeadPages {
         self.tree.search_into(tq, fov, 1.0, s, out);
     }
 
-    /// int8 estimates of `q · k` for the keys of `page` (`q` and `qscale` the quantised query),
-    /// appended to `out` in slot order. `dots` is scratch.
+    /// int8 estimates of `q · k` for the keys of `page`, for each quantised query of `qs` (with
+    /// its scale in `qscales`; each row read once for all of them, `simd::dot_rows_i8_group`):
+    /// query `j`'s are appended to `outs[j]`, in slot order. `dots` is scratch.
     pub fn score_page(
-        &self,
-        codes: PageCodes<'_>,
-        page: u32,
-        (q, qscale): (&QueryI8<'_>, f32),
-        dots: &mut Vec<i32>,
-        out: &mut Vec<f32>,
-    ) {
-        let len = self.page_len[page as usize] as usize;
-        dots.resize(len, 0);
-        q.dot_rows(codes.rows(page, len), dots);
-        estimates(dots, codes.scales(page, len), qscale, out);
-    }
-
-    /// `score_page` for several queries at once (`qs`, their scales `qscales`), each row read
-    /// once for all of them: query `j`'s estimates are appended to `outs[j]`.
-    pub fn score_page_group(
         &self,
         codes: PageCodes<'_>,
         page: u32,
@@ -353,7 +332,7 @@ impl HeadPages {
         dots.resize(qs.len() * len, 0);
         simd::dot_rows_i8_group(qs, codes.rows(page, len), dots);
         for ((d, &qscale), out) in dots.chunks_exact(len.max(1)).zip(qscales).zip(outs) {
-            estimates(d, codes.scales(page, len), qscale, out);
+            out.extend(d.iter().zip(codes.scales(page, len)).map(|(&dot, scale)| dot as f32 * qscale * scale));
         }
     }
 
@@ -366,12 +345,12 @@ impl HeadPages {
                 let mut qcode = vec![0i8; self.dim];
                 let qscale = simd::quantize_i8(q, &mut qcode);
                 let qi8 = QueryI8::new(&qcode);
-                let (mut dots, mut scores, mut scored) = (Vec::new(), Vec::new(), Vec::with_capacity(self.len()));
+                let (mut dots, mut scores, mut scored) = (Vec::new(), [Vec::new()], Vec::with_capacity(self.len()));
                 for page in 0..self.num_pages() as u32 {
                     let cell = self.page_cell[page as usize];
-                    scores.clear();
-                    self.score_page(codes, page, (&qi8, qscale), &mut dots, &mut scores);
-                    scored.extend(scores.iter().map(|&v| (v, cell)));
+                    scores[0].clear();
+                    self.score_page(codes, page, (std::slice::from_ref(&qi8), &[qscale]), &mut dots, &mut scores);
+                    scored.extend(scores[0].iter().map(|&v| (v, cell)));
                 }
                 scored.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0));
                 scored[..k].iter().map(|&(_, cell)| cell).collect()

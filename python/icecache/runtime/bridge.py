@@ -179,17 +179,15 @@ class Bridges:
     the policy of when they end."""
 
     def __init__(self) -> None:
-        self._of_layer: Dict[int, Bridge] = {}
-        # Each bridged layer's reuse group (its leader's layer index).
-        self._group_of: Dict[int, int] = {}
+        # Each bridged layer's reuse group (its leader's layer index) and bridge.
+        self._of_layer: Dict[int, Tuple[int, Bridge]] = {}
         # The decode position the last decision was taken at, and the groups it let leave.
         self._decided_at = -1
         self._leaving: List[int] = []
 
     def add(self, layer_idx: int, bridge: Bridge, group: int) -> None:
         """Layer ``layer_idx``'s bridge, for reuse group ``group`` (its leader's layer index)."""
-        self._of_layer[layer_idx] = bridge
-        self._group_of[layer_idx] = group
+        self._of_layer[layer_idx] = (group, bridge)
 
     @property
     def active(self) -> bool:
@@ -198,13 +196,14 @@ class Bridges:
 
     def of_layer(self, layer_idx: int) -> Optional[Bridge]:
         """Layer ``layer_idx``'s bridge while it lasts."""
-        return self._of_layer.get(layer_idx)
+        entry = self._of_layer.get(layer_idx)
+        return None if entry is None else entry[1]
 
     def _groups(self) -> Dict[int, List[Bridge]]:
         """The bridges of each reuse group, groups and layers in layer order."""
         groups: Dict[int, List[Bridge]] = {}
-        for layer_idx, bridge in self._of_layer.items():
-            groups.setdefault(self._group_of[layer_idx], []).append(bridge)
+        for group, bridge in self._of_layer.values():
+            groups.setdefault(group, []).append(bridge)
         return groups
 
     def decide(self, position: int, pending: Sequence[Tuple[Optional[int], Future]]) -> List[int]:
@@ -221,7 +220,8 @@ class Bridges:
         pages of the layers that follow its layout). Asked again at the same position, the
         groups of that decision that have not left yet (a failed job raised as they left)."""
         if position == self._decided_at:
-            return [g for g in self._leaving if g in self._group_of.values()]
+            bridged = {group for group, _ in self._of_layer.values()}
+            return [g for g in self._leaving if g in bridged]
         self._decided_at = position
         busy = any(not f.done() for _, f in pending)
         leaving = []
@@ -244,10 +244,9 @@ class Bridges:
         of its layers' first job: a leader's first job inserts the page its window flushes,
         which the layers that follow its layout must not see before their own catch-up. Frees
         the bridges' device copies."""
-        for layer_idx in [i for i, g in self._group_of.items() if g == group]:
-            self._group_of.pop(layer_idx)
-            self._of_layer.pop(layer_idx).hand_over()
+        for layer_idx in [i for i, (g, _) in self._of_layer.items() if g == group]:
+            self._of_layer.pop(layer_idx)[1].hand_over()
 
     def forget(self) -> None:
         """No bridges and no decision (a new prompt)."""
-        self._of_layer, self._group_of, self._decided_at, self._leaving = {}, {}, -1, []
+        self._of_layer, self._decided_at, self._leaving = {}, -1, []
