@@ -32,7 +32,10 @@ def attempt(f):
 def isolated(code: str, timeout: float = 300) -> list[str]:
     """Runs ``code`` (after ``_PRELUDE``) in a fresh interpreter and returns its output lines;
     fails the test if the interpreter died (abort, segfault, out of memory)."""
-    env = dict(os.environ, RUST_BACKTRACE="0")
+    # The snippet may import the tests' own helpers (``from test_runtime import ...``).
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, RUST_BACKTRACE="0", PYTHONPATH=path)
     r = subprocess.run(
         [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
         capture_output=True,

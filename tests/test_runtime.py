@@ -844,10 +844,11 @@ def test_each_reuse_group_leaves_the_bridge_once_its_own_index_is_ready(monkeypa
     cache = IceCache(IceCacheConfig(budget=1024, full_layers=1, reuse=reuse, page_format="native"), model)
     layers = ice_layers(cache)
     first["group"] = layers[0].group
-    bridging = []
+    bridging, windows = [], []
 
     def after_step():
         bridging.append([layer.bridging for layer in layers])
+        windows.append({tuple(n - m for n, m in zip(layer.window.win_len, layer.window.in_job)) for layer in layers})
         if len(bridging) == 20:
             released.set()
             cache.wait_indexed()
@@ -865,6 +866,9 @@ def test_each_reuse_group_leaves_the_bridge_once_its_own_index_is_ready(monkeypa
     # Released: the backlog goes to the worker, then the later groups leave too.
     assert not any(any(step) for step in bridging[22:])
     assert cache.stats.bridged_steps < 40 * len(layers)
+    # The groups left at different steps, yet every layer's window holds as many tokens at
+    # each step after (a step graph attends as many pages in each).
+    assert all(len(step) == 1 for step in windows[22:])
 
 
 def test_bridge_of_a_prefilled_cache_owns_its_prompt(monkeypatch):

@@ -71,6 +71,8 @@ class Bridge:
         self.k, self.v, self.valid, self.host = k, v, valid, host
         #: The first position that ``k`` and ``v`` hold.
         self.start = 0 if host is None else host.length - k.shape[-2]
+        #: Positions of the prompt (padding included): the decoded tokens come after.
+        self.prompt_length = self.length
         self.unindexed, self.padding = unindexed, padding
         self._window, self._catch_up, self._submit, self._transit = window, catch_up, submit, transit
 
@@ -159,15 +161,23 @@ class Bridge:
             self.unindexed[b] += k.shape[1]
 
     def hand_over(self) -> None:
-        """As if the tokens decoded from the bridge had been part of the prompt: each sequence's
-        window takes its last ``window`` tokens and the index the ones before (inserted; a
-        sequence whose prompt had no middle gets its index built from them). Nothing is resident
-        on the device yet (the layer's first job comes next), so no page goes stale."""
-        window = self._window.window
+        """Each sequence's window takes the tokens that a layer which never bridged would hold
+        now, its last ones, and the index the ones before (inserted; a sequence whose prompt
+        had no middle gets its index built from them). Nothing is resident on the device yet
+        (the layer's first job comes next), so no page goes stale.
+
+        A window fills for ``page_size`` steps and then moves its oldest page to the index, so
+        what it holds depends on the steps decoded since the prompt. Taking that length here
+        keeps the windows of the groups that left at different steps in step with each other:
+        each step attends as many pages in every layer, and a step graph, captured per pages
+        attended, keeps one graph per window phase instead of one per mix of phases."""
+        window, page = self._window.window, self._window.page_size
+        # The prompt left a full window; each page_size steps after, it flushed a page.
+        keep = window - (page - (self.length - self.prompt_length) % page) % page
         for b in range(len(self.padding)):
             # The prompt's window, then the bridge's tokens.
             k_rest, v_rest = self.since(b, self.unindexed[b])
-            w = min(window, k_rest.shape[1])
+            w = min(keep, k_rest.shape[1])
             c = k_rest.shape[1] - w
             if c:
                 self._catch_up(b, k_rest[:, :c].contiguous().cpu(), v_rest[:, :c].contiguous().cpu())

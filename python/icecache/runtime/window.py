@@ -88,6 +88,7 @@ class DeviceWindow:
         w = k.shape[1]
         ring = slice(self.ring_at, self.ring_at + w)
         self.dense_kv[0, b, :, ring], self.dense_kv[1, b, :, ring] = k, v
+        self.dense_valid[b, :, self.ring_at :] = False  # the prompt's window may have been longer
         self.dense_valid[b, :, ring] = True
         self.win_start[b], self.win_len[b] = 0, w
 
