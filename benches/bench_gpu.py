@@ -17,11 +17,12 @@ new superset. Per variant:
   rotated, median; on a GPU after one untimed full-cache prefill of the same prompt, so that no
   variant pays for warming up). IceCache's prefill
   pipeline indexes on a worker thread: by default the decode steps attend the whole cache
-  meanwhile (``exact_until_indexed``, "bridged"), and the run decodes on, step by step, until
-  the step that leaves the bridge ("switch": the tokens decoded meanwhile join the indexes and
-  windows, "catch-up", and the layers' first host jobs run; "ready": when it started, every
-  index was ready by then); with ``ice-wait`` the first decode step waits for the indexes
-  ("index wait");
+  meanwhile (``exact_until_indexed``, "bridged"; each reuse group leaves when its own index
+  is ready, and the log says how many layers had left by the end of the second token's step),
+  and the run decodes on, step by step, until the step that the last group leaves the bridge at
+  ("switch": the tokens decoded meanwhile join the indexes and windows, "catch-up", and the
+  layers' first host jobs run; "ready": when it started, every index was ready by then); with
+  ``ice-wait`` the first decode step waits for the indexes ("index wait");
 - time per output token (TPOT): each variant keeps decoding from its own cache; after a
   warm-up, ``--repeats`` rounds of ``--steps`` one-token steps, variants interleaved (order
   rotated per round), every step timed to a device sync; median over all steps;
@@ -282,13 +283,15 @@ class Ready:
     for the indexes; the decode steps that attended the whole cache meanwhile (the bridge), as
     a user's generation goes on; the step that left the bridge ("switch": the tokens decoded
     meanwhile join the indexes and windows, ``catch_up_s`` of it, and the layers' first host
-    jobs run), and when it started (from the prompt's start: every index was ready by then)."""
+    jobs run), and when it started (from the prompt's start: every index was ready by then);
+    and the IceCache layers that had left the bridge by the end of the second token's step."""
 
     wait_s: float
     bridged_s: List[float]
     switch_s: float
     catch_up_s: float
     ready_s: float
+    left_at_second: int
 
 
 def capacity(results: List[dict], model) -> List[str]:
@@ -576,6 +579,7 @@ def main(argv=None) -> int:
         if not isinstance(cache, IceCache):
             return total, t_first, tok, None
         waited = cache.stats.index_wait_s
+        left = sum(not layer.bridging for layer in cache.layers if isinstance(layer, IceLayer))
         steps = [total - t_first]  # the second token's step, then on until the switch
         ready = t_first
         with torch.inference_mode():
@@ -586,8 +590,8 @@ def main(argv=None) -> int:
                 sync()
                 steps.append(time.perf_counter() - t1)
         if len(steps) == 1:  # no bridge: the second token's step was the switch, after its wait
-            return total, t_first, tok, Ready(waited, [], steps[0], cache.stats.catch_up_s, t_first + waited)
-        return total, t_first, tok, Ready(waited, steps[:-1], steps[-1], cache.stats.catch_up_s, ready)
+            return total, t_first, tok, Ready(waited, [], steps[0], cache.stats.catch_up_s, t_first + waited, left)
+        return total, t_first, tok, Ready(waited, steps[:-1], steps[-1], cache.stats.catch_up_s, ready, left)
 
     def profiled(what, fn):
         import cProfile
@@ -673,9 +677,12 @@ def main(argv=None) -> int:
                     v["bridged_steps"] = len(ready.bridged_s)
                     bridged = statistics.median(ready.bridged_s) * 1e3 if ready.bridged_s else float("nan")
                     v["bridged_step_ms"] = bridged
+                    v["left_at_second"] = ready.left_at_second
                     shard, threads = cache.shard, cache.runtime.config.threads
+                    layers = sum(isinstance(layer, IceLayer) for layer in cache.layers)
                     log(
-                        f"{n}: {name}: TTFT {first:.2f} s, TTST {total:.2f} s, {len(ready.bridged_s)} steps bridged "
+                        f"{n}: {name}: TTFT {first:.2f} s, TTST {total:.2f} s ({ready.left_at_second} of {layers} "
+                        f"layers had left the bridge by then), {len(ready.bridged_s)} steps bridged "
                         f"(median {bridged:.1f} ms), index ready by {ready.ready_s:.2f} s, switch step "
                         f"{ready.switch_s * 1e3:.0f} ms (catch-up {ready.catch_up_s * 1e3:.0f} ms)"
                     )
@@ -811,6 +818,7 @@ def main(argv=None) -> int:
                 "catch_up_s",
                 "bridged_steps",
                 "bridged_step_ms",
+                "left_at_second",
                 "host_ms_per_layer_step",
                 "wait_ms_per_layer_step",
                 "host_rss_bytes",
