@@ -679,9 +679,9 @@ def main(argv=None) -> int:
                     v["bridged_step_ms"] = bridged
                     v["left_at_second"] = ready.left_at_second
                     shard, threads = cache.shard, cache.runtime.config.threads
-                    layers = sum(isinstance(layer, IceLayer) for layer in cache.layers)
                     log(
-                        f"{n}: {name}: TTFT {first:.2f} s, TTST {total:.2f} s ({ready.left_at_second} of {layers} "
+                        f"{n}: {name}: TTFT {first:.2f} s, TTST {total:.2f} s ({ready.left_at_second} of "
+                        f"{cache.runtime.served_layers} "
                         f"layers had left the bridge by then), {len(ready.bridged_s)} steps bridged "
                         f"(median {bridged:.1f} ms), index ready by {ready.ready_s:.2f} s, switch step "
                         f"{ready.switch_s * 1e3:.0f} ms (catch-up {ready.catch_up_s * 1e3:.0f} ms)"
