@@ -814,15 +814,11 @@ def _hold_index_worker(monkeypatch) -> threading.Event:
     return released
 
 
-@pytest.mark.parametrize("reuse, chunk", [(1, None), (2, None), (1, 64), (2, 50)])
-def test_each_reuse_group_leaves_the_bridge_once_its_own_index_is_ready(monkeypatch, reuse, chunk):
-    """A reuse group leaves its bridge as soon as its own index jobs are done, while the worker
-    still indexes the later layers (here: their builds wait for a release); the later groups
-    bridge on and leave after the release. Decoding is exact at full budget throughout, from
-    the bridged layers and the indexed ones alike."""
-    model = tiny_model("llama")
-    ids = prompt_ids(300, seed=21)
-    full = run_steps(model, ids, DynamicCache(config=model.config), 40)
+def _first_group_run(monkeypatch, model, ids, cfg, chunk, after=None):
+    """Decode 40 steps with the index builds of every reuse group but the first held until the
+    20th step (then released and waited for); returns the logits, the cache, its IceCache layers,
+    and after each step, per layer: whether it bridged, its window's tokens, and (``after``) what
+    ``after(layer)`` says."""
     released = threading.Event()
     first = {}  # the first IceCache layer's group, once the cache exists
     # The build that the first decode step waits for: a prompt of one chunk is indexed as it
@@ -841,15 +837,19 @@ def test_each_reuse_group_leaves_the_bridge_once_its_own_index_is_ready(monkeypa
         submit(self, fn, *args, group=group)
 
     monkeypatch.setattr(Runtime, "submit", later_groups_wait)
-    cache = IceCache(IceCacheConfig(budget=1024, full_layers=1, reuse=reuse, page_format="native"), model)
+    cache = IceCache(cfg, model)
     layers = ice_layers(cache)
     first["group"] = layers[0].group
-    bridging, windows = [], []
+    seen: dict = {"bridging": [], "windows": [], "after": []}
 
     def after_step():
-        bridging.append([layer.bridging for layer in layers])
-        windows.append({tuple(n - m for n, m in zip(layer.window.win_len, layer.window.in_job)) for layer in layers})
-        if len(bridging) == 20:
+        seen["bridging"].append([layer.bridging for layer in layers])
+        seen["windows"].append(
+            {tuple(n - m for n, m in zip(layer.window.win_len, layer.window.in_job)) for layer in layers}
+        )
+        if after is not None:
+            seen["after"].append([after(layer) for layer in layers])
+        if len(seen["bridging"]) == 20:
             released.set()
             cache.wait_indexed()
 
@@ -857,8 +857,26 @@ def test_each_reuse_group_leaves_the_bridge_once_its_own_index_is_ready(monkeypa
         ice = run_steps(model, ids, cache, 40, after_step=after_step, chunk=chunk)
     finally:
         released.set()
+    return ice, cache, layers, seen
+
+
+@pytest.mark.parametrize("reuse, chunk", [(1, None), (2, None), (1, 64), (2, 50)])
+def test_each_reuse_group_leaves_the_bridge_once_its_own_index_is_ready(monkeypatch, reuse, chunk):
+    """A reuse group leaves its bridge as soon as its own index jobs are done, while the worker
+    still indexes the later layers (here: their builds wait for a release); the later groups
+    bridge on and leave after the release. Decoding is exact at full budget throughout, from
+    the bridged layers and the indexed ones alike. Each layer's first job after the bridge was
+    started when its group left, at the start of that step, from the last bridged queries."""
+    model = tiny_model("llama")
+    ids = prompt_ids(300, seed=21)
+    full = run_steps(model, ids, DynamicCache(config=model.config), 40)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, reuse=reuse, page_format="native")
+    ice, cache, layers, seen = _first_group_run(
+        monkeypatch, model, ids, cfg, chunk, after=lambda layer: layer.jobs.started_ahead
+    )
+    bridging, windows = seen["bridging"], seen["windows"]
     torch.testing.assert_close(ice, full, rtol=1e-5, atol=1e-5)
-    mine = [layer.group == first["group"] for layer in layers]
+    mine = [layer.group == layers[0].group for layer in layers]
     assert sum(mine) == reuse and len(layers) > reuse
     # Held: the first group has left, together; every later layer still bridges.
     assert bridging[19] == [not m for m in mine]
@@ -869,6 +887,8 @@ def test_each_reuse_group_leaves_the_bridge_once_its_own_index_is_ready(monkeypa
     # The groups left at different steps, yet every layer's window holds as many tokens at
     # each step after (a step graph attends as many pages in each).
     assert all(len(step) == 1 for step in windows[22:])
+    # No layer ran its first job after the bridge in its own step.
+    assert all(ahead for ahead in seen["after"][-1])
 
 
 def test_bridge_of_a_prefilled_cache_owns_its_prompt(monkeypatch):
@@ -1012,6 +1032,19 @@ def test_reset_then_another_batch_size_decodes_as_a_fresh_cache():
     ids = prompt_ids(300, seed=3)
     got = run_steps(model, ids, cache, 10)
     torch.testing.assert_close(got, run_steps(model, ids, IceCache(cfg, model), 10), rtol=0, atol=0)
+
+
+def test_reset_forgets_the_step_numbers_the_device_wrote():
+    """The decode buffers are kept for the next prompt, whose jobs count their steps from 0
+    again: a reset puts each layer's step flag back, or the next prompt's jobs would start
+    before the device has written their queries."""
+    model = tiny_model("llama")
+    cache = IceCache(IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=False), model)
+    run_steps(model, prompt_ids(300, seed=9), cache, 10)
+    flags = [layer.jobs.buffers().flag for layer in ice_layers(cache)]
+    assert all(int(f) == 10 for f in flags)  # the steps after the first's, and the last job's
+    cache.reset()
+    assert all(int(f) == -1 for f in flags)
 
 
 def test_generate_one_liner_and_logical_length():

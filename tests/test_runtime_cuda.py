@@ -15,6 +15,7 @@ from icecache.runtime import IceCache, IceCacheConfig  # noqa: E402
 from isolated import isolated  # noqa: E402
 from test_runtime import (  # noqa: E402, F401 (pool_checks is a fixture)
     CACHE_KW,
+    _first_group_run,
     _held_bridge_run,
     _naive_ranked,
     _ranked_inputs,
@@ -243,6 +244,31 @@ def test_cuda_bridge_is_exact_then_hands_over(dtype, chunk):
         torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
     else:  # bf16 rounding differs between kernels; the predictions must still agree
         assert (ice.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("step_graph", [True, False])
+def test_cuda_layers_that_left_the_bridge_capture_only_once_it_ends(monkeypatch, step_graph):
+    """While later layers bridge on, the layers that left run their steps eagerly when the step
+    graph will take over once the bridge ends (their own graphs would serve only until then);
+    without the step graph they capture their own at once. Exact at full budget throughout."""
+    model = tiny_model("llama").cuda()
+    ids = prompt_ids(300, seed=21).cuda()
+    full = run_steps(model, ids, DynamicCache(config=model.config), 40)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, page_format="native", step_graph=step_graph)
+    ice, cache, layers, seen = _first_group_run(
+        monkeypatch,
+        model,
+        ids,
+        cfg,
+        None,
+        after=lambda layer: layer.device_step is not None and bool(layer.device_step._graphs),
+    )
+    torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
+    assert seen["bridging"][19] == [False] + [True] * (len(layers) - 1)
+    assert seen["after"][19][0] == (not step_graph)
+    assert not any(any(step) for step in seen["bridging"][22:])
+    if step_graph:
+        assert cache.step_graph.off_reason is None and cache.step_graph.replays > 0
 
 
 _CAPTURE_PRELUDE = """

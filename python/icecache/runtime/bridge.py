@@ -52,6 +52,8 @@ class Bridge:
             positions before ``k``'s each step reads back to the device (:meth:`attended`), so
             that the device holds the prompt of one layer at a time; ``None``: ``k`` and ``v``
             hold the whole prompt.
+        first_job: starts the layer's first job after the bridge, once its reuse group has
+            handed its tokens over (``IceLayer.start_ahead``).
     """
 
     def __init__(
@@ -67,8 +69,10 @@ class Bridge:
         submit: Callable[..., None],
         transit: Transit,
         host: Optional[HostPrefix] = None,
+        first_job: Optional[Callable[[], None]] = None,
     ):
         self.k, self.v, self.valid, self.host = k, v, valid, host
+        self.first_job = first_job
         #: The first position that ``k`` and ``v`` hold.
         self.start = 0 if host is None else host.length - k.shape[-2]
         #: Positions of the prompt (padding included): the decoded tokens come after.
@@ -252,10 +256,16 @@ class Bridges:
     def leave(self, group: int) -> None:
         """The bridges of reuse group ``group`` hand their tokens over, all at once before any
         of its layers' first job: a leader's first job inserts the page its window flushes,
-        which the layers that follow its layout must not see before their own catch-up. Frees
-        the bridges' device copies."""
-        for layer_idx in [i for i, (g, _) in self._of_layer.items() if g == group]:
-            self._of_layer.pop(layer_idx)[1].hand_over()
+        which the layers that follow its layout must not see before their own catch-up. Then
+        the layers' first jobs start, in layer order (a follower's waits for its leader's), so
+        that they run on the worker while the device computes the layers before them instead
+        of in each layer's step. Frees the bridges' device copies."""
+        bridges = [self._of_layer.pop(i)[1] for i, (g, _) in list(self._of_layer.items()) if g == group]
+        for bridge in bridges:
+            bridge.hand_over()
+        for bridge in bridges:
+            if bridge.first_job is not None:
+                bridge.first_job()
 
     def forget(self) -> None:
         """No bridges and no decision (a new prompt)."""

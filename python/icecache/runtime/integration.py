@@ -133,12 +133,15 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if isinstance(attention_mask, ChunkMask):
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
             raise ValueError("IceCache's chunked prefill does not support attention logit soft-capping or sinks")
-        out = chunk_attention(query, key, value, attention_mask.valid, scaling or query.shape[-1] ** -0.5)
+        scale = scaling or query.shape[-1] ** -0.5
+        out = chunk_attention(query, key, value, attention_mask.valid, scale)
         if layer is not None:
             valid = attention_mask.valid
-            layer.ingest_chunk(None if valid is None else valid[:, -query.shape[2] :], query)
+            layer.ingest_chunk(None if valid is None else valid[:, -query.shape[2] :], query, scale)
         return out, None
     if layer is None or not layer.decoding or layer.bridging:
+        if layer is not None and layer.decoding:  # a bridged step: its queries serve the first job after
+            layer.keep_query(query[:, :, 0], scaling or query.shape[-1] ** -0.5)
         if query.shape[2] == 1 and query.is_cuda:
             with sdpa_kernel(_DECODE_BACKENDS):
                 return sdpa_attention_forward(
@@ -149,7 +152,8 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
         )
         if layer is not None and not layer.decoding:
             valid = _valid_positions(attention_mask)
-            layer.ingest_chunk(None if valid is None else valid[:, -query.shape[2] :], query)
+            scale = scaling or query.shape[-1] ** -0.5
+            layer.ingest_chunk(None if valid is None else valid[:, -query.shape[2] :], query, scale)
         return result
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError("IceCache does not support attention logit soft-capping or attention sinks")

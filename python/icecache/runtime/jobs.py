@@ -50,6 +50,8 @@ class LayerJobs:
         self.lookahead: Optional[_core.LookAheadLayer] = None
         #: The number of the last job started behind a device step (look-ahead).
         self.steps = 0
+        #: Whether the first job was started ahead of the first decode step (:meth:`start_ahead`).
+        self.started_ahead = False
 
     def open(self, batch: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
         """Empty stores (and index or history) for a prompt of these shapes."""
@@ -234,12 +236,7 @@ class LayerJobs:
         are copied here) or queued until the flag that the device step writes behind this
         step's queries (look-ahead)."""
         bufs = self.buffers()
-        if max(flushed):
-            self._first_pages(flushed)
-        most = max(flushed)
-        if most:
-            self._reserve(flushed, most)
-        lens = self._history_lens()
+        lens = self._prepare(flushed)
         if now:
             if query is None:
                 raise ValueError("a job that runs now needs the step's queries")
@@ -251,6 +248,30 @@ class LayerJobs:
         # The device step copied the queries and wrote the step number (behind the attention).
         self.steps += 1
         self._started_lookahead().start(flushed, step=self.steps, history_lens=lens)
+
+    def start_ahead(self, flushed: List[int], query: Optional[torch.Tensor]) -> None:
+        """Start the first decode step's job before that step, from the queries of the step
+        before it (``[B, H_q, D]`` on the device; a follower has none), as a look-ahead job is
+        started: queued on the worker until the device has copied them, behind the work queued
+        so far, so the host neither waits for the device nor for the selection. The job is
+        number 0: the first device step writes 1."""
+        bufs = self.buffers()
+        lens = self._prepare(flushed)
+        if query is not None:
+            bufs.queries.copy_(query.float(), non_blocking=True)
+        bufs.flag.copy_(torch.zeros(1, dtype=torch.int64, device=self.device), non_blocking=True)
+        self._started_lookahead().start(flushed, step=0, history_lens=lens)
+        self.started_ahead = True
+
+    def _prepare(self, flushed: List[int]) -> Optional[List[int]]:
+        """What every job needs first: the first pages of sequences without an index, room for
+        the job's writes; returns a follower's history lengths."""
+        if max(flushed):
+            self._first_pages(flushed)
+        most = max(flushed)
+        if most:
+            self._reserve(flushed, most)
+        return self._history_lens()
 
     def wait(self) -> _core.LookAheadOutcome:
         """The current job's outcome, once it has finished."""
@@ -298,8 +319,15 @@ class LayerJobs:
             except RuntimeError:
                 pass  # cancelled, or failed: forgotten either way
             self.lookahead.clear()
-        if self._made_buffers is not None:
-            self._made_buffers.forget_ahead()
+        bufs = self._made_buffers
+        if bufs is not None:
+            # The next prompt's jobs count their steps from 0 again: a step number left in the
+            # kept flag would let them start before the device has written their queries, and
+            # write the staging while the device still copies the previous one.
+            if bufs.device.type == "cuda":
+                torch.cuda.synchronize(bufs.device)  # the last step's write of the flag has landed
+            bufs.flag.fill_(-1)
+            bufs.forget_ahead()
         self.forget()
 
 

@@ -122,6 +122,11 @@ class IceLayer(CacheLayerMixin):
         # that the graph was captured with.
         self._graph_before: Optional[_Before] = None
         self._graph_pages: Optional[int] = None
+        # The queries of the last forward (the prompt's last real position, then each bridged
+        # step's), [B, H_q, D] on the device, that the first job after the bridge selects with;
+        # kept by a reuse group's leader while it bridges, with look-ahead.
+        self._last_query: Optional[torch.Tensor] = None
+        self._scale: Optional[float] = None
 
     # ------------------------------------------------------------------ transformers API
 
@@ -203,6 +208,39 @@ class IceLayer(CacheLayerMixin):
         self.length += 1
         hand_off(self)
         return key_states, value_states
+
+    def keep_query(self, query: torch.Tensor, scale: float) -> None:
+        """Keep this forward's queries ``[B, H_q, D]`` (the prompt's last real position, or a
+        bridged step's) and attention scale for the first job after the bridge
+        (:meth:`start_ahead`); only a reuse group's leader selects, so only its queries are
+        kept."""
+        self._scale = scale
+        if self._keeps_queries:
+            self._last_query = query
+
+    @property
+    def _keeps_queries(self) -> bool:
+        cfg = self.runtime.config
+        return self.leader is None and cfg.lookahead and cfg.exact_until_indexed
+
+    def start_ahead(self) -> None:
+        """This layer has just left the bridge, at the start of a decode step: start that
+        step's job now, from the last bridged step's queries (:meth:`keep_query`), on the
+        worker while the device computes the layers before, as every later step's job is
+        started from the step before. Without those queries (a prompt that came from
+        :meth:`load_prompt`), or with fresh selection, the step runs its job itself."""
+        if not self.runtime.config.lookahead or self._scale is None:
+            return
+        query = None
+        if self.leader is None:
+            query, self._last_query = self._last_query, None
+            if query is None:
+                return
+        elif not self.leader.jobs.started_ahead:
+            return
+        # Made before the job: it resets the device staging, which on the CPU is the host's.
+        self._device_step = self._open_device_step(self.runtime.query_heads, self._scale, self.window.next_slots())
+        self.jobs.start_ahead(self.window.hand_to_job(), query)
 
     @property
     def bridge(self) -> Optional[Bridge]:
@@ -288,7 +326,9 @@ class IceLayer(CacheLayerMixin):
         hand_off(self)
         return buf[0], buf[1]
 
-    def ingest_chunk(self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None) -> None:
+    def ingest_chunk(
+        self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None, scale: Optional[float] = None
+    ) -> None:
         """Offload the prompt chunk taken by :meth:`update` once its exact attention has run.
         Each sequence's real tokens that are neither its first ``sink`` nor among its last
         ``window`` so far are its middle. The first chunk stays on the device, and its middle
@@ -300,7 +340,9 @@ class IceLayer(CacheLayerMixin):
         Args:
             valid: ``[B, L]`` bool of the chunk's real (non-padding) positions, or ``None``.
             queries: the chunk's queries ``[B, H_q, L, D]`` (post-RoPE), for ``effort="auto"``
-                to calibrate the index on the prompt's last ones.
+                to calibrate the index on the prompt's last ones, and for the first job after
+                the bridge (:meth:`keep_query`).
+            scale: the attention's scale, with ``queries``.
         """
         if self._chunk_kv is None:
             raise RuntimeError(f"layer {self.layer_idx} has no prompt chunk to offload")
@@ -316,9 +358,11 @@ class IceLayer(CacheLayerMixin):
         valid_host = torch.ones(B, L, dtype=torch.bool) if valid is None else valid.to("cpu", torch.bool)
         self._valid = valid_host if self._valid is None else torch.cat([self._valid, valid_host], 1)
         calibrate = self.jobs.calibrates and queries is not None
+        last = []  # each sequence's last real position of the chunk
         parts = []
         for b in range(B):
             real = valid_host[b].nonzero()[:, 0]
+            last.append(int(real[-1]) if real.numel() else L - 1)
             self._real[b] += real.numel()
             if calibrate and queries is not None and real.numel():
                 q = queries[b][:, real[-CALIBRATION_POSITIONS:].to(queries.device)].to(self.device, k.dtype)
@@ -328,6 +372,10 @@ class IceLayer(CacheLayerMixin):
             if hi > lo:
                 parts.append((b, lo, hi))
                 self._indexed[b] = hi
+        if queries is not None and scale is not None:
+            self._scale = scale
+            if self._keeps_queries:
+                self._last_query = queries[torch.arange(B), :, torch.tensor(last)]
         # The first chunk's middle is indexed behind the next layers' compute; a prompt of one
         # chunk is then ready as soon as that build is. Later chunks wait for the whole prompt,
         # which is indexed in one build (_finish_prompt): inserting chunk by chunk as they
@@ -438,6 +486,7 @@ class IceLayer(CacheLayerMixin):
             submit=functools.partial(self.runtime.submit, group=self.group),
             transit=self.runtime.transit,
             host=host,
+            first_job=self.start_ahead,
         )
 
     def load_prompt(self, k: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
@@ -454,8 +503,9 @@ class IceLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ decode attention
 
-    def _open_device_step(self, query_heads: int, scale: float) -> DeviceStep:
-        """The first decode step: the host jobs lend their buffers, and the device step is made."""
+    def _open_device_step(self, query_heads: int, scale: float, next_slots: List[int]) -> DeviceStep:
+        """Before the first decode step's job: the host jobs lend their buffers, and the device
+        step is made, writing each sequence's next token at ring slot ``next_slots[b]``."""
         cfg = self.runtime.config
         self.jobs.open_lanes(query_heads, scale)
         bufs = self.jobs.buffers()
@@ -475,8 +525,7 @@ class IceLayer(CacheLayerMixin):
             pool=self.runtime.graph_pool() if self.device.type == "cuda" else None,
             page_format=cfg.page_format,
         )
-        # This step's token is counted in win_len already, and the device step writes it.
-        step.start_window(w.last_slots())
+        step.start_window(next_slots)
         return step
 
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -492,13 +541,20 @@ class IceLayer(CacheLayerMixin):
                 raise RuntimeError(f"IceCache layer {self.layer_idx}: a step graph's attention without step_count")
             return self._device_step.inline(q, k, v, self._graph_pages)[:, None]
         if self._device_step is None:
-            self._device_step = self._open_device_step(q.shape[1], scale)
+            # This step's token is counted in the window already, and the device step writes it.
+            self._device_step = self._open_device_step(q.shape[1], scale, self.window.last_slots())
         t0 = rt.tick()
-        if not cfg.lookahead or self.jobs.steps == 0:
+        if not cfg.lookahead or (self.jobs.steps == 0 and not self.jobs.started_ahead):
             self.jobs.start(self.window.hand_to_job(), q, now=True)
         before = self._before_device_step(t0)
         staged = (before.outcome.loads, before.outcome.loads + before.outcome.clears)
-        out, res = self._device_step(q, k, v, before.pages, staged, keep=before.keep, want_lse=rt.track_recall)
+        # While other layers bridge on, this layer's own graphs would serve only until the
+        # step graph takes over (it captures every layer then), and a capture stalls the step
+        # it happens in for the device to drain: run eagerly meanwhile.
+        capture = not (rt.bridges.active and cfg.step_graph)
+        out, res = self._device_step(
+            q, k, v, before.pages, staged, keep=before.keep, want_lse=rt.track_recall, capture=capture
+        )
         t3 = rt.tick()
         if rt.track_recall:
             if res is None:

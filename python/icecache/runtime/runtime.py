@@ -36,8 +36,8 @@ class RuntimeStats:
     #: page to the host).
     update_s: float = 0.0
     #: Waiting for the layer's host job: with look-ahead the worker's job for this step,
-    #: normally finished already; with fresh selection, or on the first step after a prompt,
-    #: the whole job, run on the spot.
+    #: normally finished already; with fresh selection, or on the first step after a prompt
+    #: without a bridge, the whole job, run on the spot.
     wait_s: float = 0.0
     #: The host-to-device copy of the step's pages and metadata and their scatter into the pool.
     copy_s: float = 0.0

@@ -171,13 +171,15 @@ class DeviceStep:
         staged: Tuple[int, int],
         keep: Optional[torch.Tensor] = None,
         want_lse: bool = False,
+        capture: bool = True,
     ) -> Tuple[torch.Tensor, Optional[RankedAttention]]:
         """One step for ``query`` ``[B, H_q, D]``, ``key``/``value`` ``[B, H, D]``, applying the
         ``staged`` ``(loads, masks)`` entries of the device staging: the output ``[B, H_q, D]``,
-        and the full result when run eagerly (``keep``, ``want_lse``, or no graphs). A graph's
-        output stays valid until its next replay."""
+        and the full result when run eagerly (``keep``, ``want_lse``, no graphs, or no graph
+        for ``pages`` yet and ``capture`` off). A graph's output stays valid until its next
+        replay."""
         torch._foreach_copy_([self.query, self.kv[0], self.kv[1]], [query, key, value])
-        if self._graphs_on and keep is None and not want_lse:
+        if self._graphs_on and keep is None and not want_lse and (capture or pages in self._graphs):
             try:
                 graph, out = self._graphs.get(pages) or self._capture(pages)
             except RuntimeError as exc:

@@ -139,6 +139,10 @@ class DeviceWindow:
             self.win_len[b] -= m
             self.in_job[b] = 0
 
+    def next_slots(self) -> List[int]:
+        """Each sequence's ring slot for its next window token."""
+        return [(w0 + n) % self.ring for w0, n in zip(self.win_start, self.win_len)]
+
     def last_slots(self) -> List[int]:
         """Each sequence's ring slot of its newest window token."""
         return [(w0 + n - 1) % self.ring for w0, n in zip(self.win_start, self.win_len)]

@@ -178,10 +178,13 @@ class BudgetLayer(CacheLayerMixin):
             self.kmin = torch.cat([self.kmin[:, :first], new_min], dim=1)
             self.kmax = torch.cat([self.kmax[:, :first], new_max], dim=1)
 
-    def ingest_chunk(self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None) -> None:
-        """Called by the attention path once the prompt's exact attention has run: StreamingLLM
-        drops what it does not keep, Quest bounds the prompt's pages. The prompt comes in one
-        forward (the evaluation runs no chunked prefill)."""
+    def ingest_chunk(
+        self, valid: Optional[torch.Tensor], queries: Optional[torch.Tensor] = None, scale: Optional[float] = None
+    ) -> None:
+        """Called by the attention path once the prompt's exact attention has run (the
+        arguments of ``IceLayer.ingest_chunk``): StreamingLLM drops what it does not keep,
+        Quest bounds the prompt's pages. The prompt comes in one forward (the evaluation runs
+        no chunked prefill)."""
         if valid is not None and not bool(valid.all()):
             raise ValueError("the baseline caches do not take padded prompts")
         assert self.keys is not None and self.values is not None
