@@ -131,7 +131,8 @@ def test_cuda_graphs_decode_like_the_eager_path(budget_mode, page_format):
     ids, mask = _padded_batch()
     runs = []
     for graphs in (True, False):
-        cache = IceCache(_paging_config(cuda_graphs=graphs, budget_mode=budget_mode, page_format=page_format), model)
+        config = _paging_config(cuda_graphs=graphs, budget_mode=budget_mode, page_format=page_format, step_graph=False)
+        cache = IceCache(config, model)
         runs.append(run_steps(model, ids, cache, 40, attention_mask=mask))
         assert all(bool(layer._device_step._graphs) == graphs for layer in ice_layers(cache))
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
@@ -247,10 +248,11 @@ def test_cuda_bridge_is_exact_then_hands_over(dtype, chunk):
 
 
 @pytest.mark.parametrize("step_graph", [True, False])
-def test_cuda_layers_that_left_the_bridge_capture_only_once_it_ends(monkeypatch, step_graph):
-    """While later layers bridge on, the layers that left run their steps eagerly when the step
-    graph will take over once the bridge ends (their own graphs would serve only until then);
-    without the step graph they capture their own at once. Exact at full budget throughout."""
+def test_cuda_layers_capture_their_own_graphs_only_without_the_step_graph(monkeypatch, step_graph):
+    """With the step graph on, no IceCache layer captures graphs of its own, neither when it
+    leaves the bridge while later layers bridge on nor after: the step graph replays every
+    layer once the bridge ends. Without it, a layer captures its own at its first step after
+    the bridge. Exact at full budget throughout."""
     model = tiny_model("llama").cuda()
     ids = prompt_ids(300, seed=21).cuda()
     full = run_steps(model, ids, DynamicCache(config=model.config), 40)
@@ -265,10 +267,14 @@ def test_cuda_layers_that_left_the_bridge_capture_only_once_it_ends(monkeypatch,
     )
     torch.testing.assert_close(ice, full, rtol=1e-3, atol=1e-3)
     assert seen["bridging"][19] == [False] + [True] * (len(layers) - 1)
-    assert seen["after"][19][0] == (not step_graph)
     assert not any(any(step) for step in seen["bridging"][22:])
+    graphs = seen["after"]
     if step_graph:
+        assert not any(any(step) for step in graphs)
         assert cache.step_graph.off_reason is None and cache.step_graph.replays > 0
+    else:  # the layer that left has its own graphs, the bridged ones none yet; then all have
+        assert graphs[19] == [True] + [False] * (len(layers) - 1)
+        assert all(graphs[-1])
 
 
 _CAPTURE_PRELUDE = """
@@ -279,6 +285,7 @@ model = tiny_model("llama").cuda()
 ids = prompt_ids(300, seed=9).cuda()
 def config(**options):
     paging = dict(budget=96, full_layers=1, superset_pages=12, pool_pages=16, exact_until_indexed=False)
+    options.setdefault("step_graph", False)  # each layer captures its own graphs
     return IceCacheConfig(**paging, **options)
 eager = run_steps(model, ids, IceCache(config(cuda_graphs=False), model), 30)
 """

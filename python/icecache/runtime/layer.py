@@ -548,12 +548,8 @@ class IceLayer(CacheLayerMixin):
             self.jobs.start(self.window.hand_to_job(), q, now=True)
         before = self._before_device_step(t0)
         staged = (before.outcome.loads, before.outcome.loads + before.outcome.clears)
-        # While other layers bridge on, this layer's own graphs would serve only until the
-        # step graph takes over (it captures every layer then), and a capture stalls the step
-        # it happens in for the device to drain: run eagerly meanwhile.
-        capture = not (rt.bridges.active and cfg.step_graph)
         out, res = self._device_step(
-            q, k, v, before.pages, staged, keep=before.keep, want_lse=rt.track_recall, capture=capture
+            q, k, v, before.pages, staged, keep=before.keep, want_lse=rt.track_recall, capture=rt.layer_graphs
         )
         t3 = rt.tick()
         if rt.track_recall:

@@ -119,6 +119,12 @@ class Runtime:
         #: While a step graph is captured: called with each IceCache layer as its update runs
         #: (where the capture moves on to the next graph segment).
         self.step_hook: Optional[Callable[[Any], None]] = None
+        #: Whether each IceCache layer captures CUDA graphs of its own device step: only where
+        #: no step graph replays the decode steps (:class:`icecache.runtime.stepgraph.StepGraph`
+        #: sets it), since the step graph captures every layer itself, and a layer's own
+        #: capture would only stall the eager step it happens in (the first after a prompt or
+        #: a bridge) for the device to drain.
+        self.layer_graphs = True
         #: The prefill's reused host buffer for device-to-host copies on the index worker.
         self.transit = Transit(device)
         #: The pinned host blocks of chunked prompts, kept for the next prompt (the process's).

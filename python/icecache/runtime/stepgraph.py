@@ -168,10 +168,7 @@ class StepGraph:
         cfg = cache.config
         self.ice: List[IceLayer] = [layer for layer in cache.layers if isinstance(layer, IceLayer)]
         sliding = any(getattr(layer, "is_sliding", False) for layer in cache.layers)
-        #: Why one-token steps do not run from step graphs (``None`` while they do): the first
-        #: of the config options, the model and the device that rules them out, or the capture
-        #: that failed.
-        self.off_reason: Optional[str] = next(
+        self.off_reason = next(
             (
                 why
                 for off, why in (
@@ -200,6 +197,18 @@ class StepGraph:
         self._inputs: Dict[str, torch.Tensor] = {}
         # Whether the decoder's forward takes cache_position (transformers before 5.24).
         self._cache_position: Optional[bool] = None
+
+    @property
+    def off_reason(self) -> Optional[str]:
+        """Why one-token steps do not run from step graphs (``None`` while they do): the first
+        of the config options, the model and the device that rules them out, or the capture
+        that failed."""
+        return self._off_reason
+
+    @off_reason.setter
+    def off_reason(self, why: Optional[str]) -> None:
+        self._off_reason = why
+        self.runtime.layer_graphs = why is not None  # the layers capture their own without
 
     @property
     def enabled(self) -> bool:
