@@ -124,16 +124,15 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layer = _take(module)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     key_mask = getattr(layer, "key_mask", None)
     if key_mask is not None:  # a full layer in a step graph: its whole storage, under its mask
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
             raise ValueError("IceCache's step graph does not support attention logit soft-capping or attention sinks")
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return masked_decode_attention(query, key, value, key_mask, scale), None
     if isinstance(attention_mask, ChunkMask):
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
             raise ValueError("IceCache's chunked prefill does not support attention logit soft-capping or sinks")
-        scale = scaling or query.shape[-1] ** -0.5
         out = chunk_attention(query, key, value, attention_mask.valid, scale)
         if layer is not None:
             valid = attention_mask.valid
@@ -141,7 +140,7 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
         return out, None
     if layer is None or not layer.decoding or layer.bridging:
         if layer is not None and layer.decoding:  # a bridged step: its queries serve the first job after
-            layer.keep_query(query[:, :, 0], scaling or query.shape[-1] ** -0.5)
+            layer.keep_query(query[:, :, 0], scale)
         if query.shape[2] == 1 and query.is_cuda:
             with sdpa_kernel(_DECODE_BACKENDS):
                 return sdpa_attention_forward(
@@ -152,14 +151,11 @@ def icecache_attention(module, query, key, value, attention_mask, dropout=0.0, s
         )
         if layer is not None and not layer.decoding:
             valid = _valid_positions(attention_mask)
-            scale = scaling or query.shape[-1] ** -0.5
             layer.ingest_chunk(None if valid is None else valid[:, -query.shape[2] :], query, scale)
         return result
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError("IceCache does not support attention logit soft-capping or attention sinks")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    return layer.attend(query, scaling), None
+    return layer.attend(query, scale), None
 
 
 def register() -> None:
