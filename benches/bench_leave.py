@@ -8,7 +8,9 @@ steps after. Random weights of ``bench_gpu.py``'s shapes and a random prompt.
 
 Variants: ``full`` (the full cache, SDPA), ``ice`` (IceCache, defaults), ``ice-once`` (IceCache
 with every reuse group leaving the bridge only once every index job is done, as before groups
-left on their own: a comparison, patched in here, not an option of the library).
+left on their own), ``ice-normal`` (IceCache with its index builds on threads of normal
+priority, as before they ran in the background). The last two are comparisons patched in here,
+not options of the library.
 
     python benches/bench_leave.py --contexts 32768 --rounds 2            # on a GPU
     python benches/bench_leave.py --shape smollm2 --contexts 4096        # the dev machine
@@ -29,7 +31,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768])
     ap.add_argument("--shape", default="llama8b", choices=["llama8b", "smollm2", "tiny"])
-    ap.add_argument("--variants", nargs="+", default=["full", "ice", "ice-once"], choices=["full", "ice", "ice-once"])
+    ap.add_argument(
+        "--variants", nargs="+", default=["full", "ice", "ice-once"], choices=["full", "ice", "ice-once", "ice-normal"]
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16, help="steps timed after the bridge")
     ap.add_argument("--max-bridged", type=int, default=2000, help="give up on the bridge's end after this many steps")
@@ -61,6 +65,11 @@ def main(argv=None) -> int:
         return model(tok, logits_to_keep=1, past_key_values=cache).logits[:, -1:].argmax(-1)
 
     decide = Bridges.decide
+    index_kwargs = IceCacheConfig.index_kwargs
+
+    def normal(self):
+        """The index builds on threads of normal priority."""
+        return {**index_kwargs(self), "background": False}
 
     def once(self, position, pending):
         """Every group bridges on while any index job runs."""
@@ -78,6 +87,7 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             for name in args.variants[rnd % len(args.variants) :] + args.variants[: rnd % len(args.variants)]:
                 Bridges.decide = once if name == "ice-once" else decide
+                IceCacheConfig.index_kwargs = normal if name == "ice-normal" else index_kwargs
                 cache = DynamicCache(config=model.config) if name == "full" else IceCache(IceCacheConfig(), model)
                 with torch.inference_mode():
                     sync()
@@ -133,22 +143,26 @@ def main(argv=None) -> int:
                 del cache
                 if cuda:
                     torch.cuda.empty_cache()
-        Bridges.decide = decide
+        Bridges.decide, IceCacheConfig.index_kwargs = decide, index_kwargs
         full = [r["ttst_s"] for r in rows if r["variant"] == "full"]
         head = (
-            "| context | variant | TTST s per round | x full (median) | second token's step ms | left | bridged (s) |"
+            "| context | variant | TTST s per round | x full (median) | second token's step ms | left "
+            "| bridged steps (s; median ms) | then ms per token |"
         )
         print("\n" + head)
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for name in args.variants:
             mine = [r for r in rows if r["variant"] == name]
             ttst = statistics.median(r["ttst_s"] for r in mine)
             ratio = f"{ttst / statistics.median(full):.2f}" if full else "-"
             ttsts = " / ".join("{:.2f}".format(r["ttst_s"]) for r in mine)
             seconds = " / ".join("{:.0f}".format(r["second_ms"]) for r in mine)
-            bridges = " / ".join("{} ({:.1f})".format(r["bridged"], r["bridged_s"]) for r in mine)
+            bridges = " / ".join(
+                "{} ({:.1f}; {:.0f})".format(r["bridged"], r["bridged_s"], r["bridged_ms"]) for r in mine
+            )
             lefts = ", ".join(r["left"] for r in mine)
-            print(f"| {n} | {name} | {ttsts} | {ratio} | {seconds} | {lefts} | {bridges} |")
+            tpots = " / ".join("{:.1f}".format(r["tpot_ms"]) for r in mine)
+            print(f"| {n} | {name} | {ttsts} | {ratio} | {seconds} | {lefts} | {bridges} | {tpots} |")
     return 0
 
 

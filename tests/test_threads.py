@@ -4,10 +4,12 @@ Each test runs its threads for a bounded time (a second or two)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 import numpy as np
+import pytest
 from icecache import DCIIndex, HeadForest, ResidentPages
 
 # --------------------------------------------------------------------------------------------
@@ -137,3 +139,40 @@ def test_add_validates_what_it_indexes_while_another_thread_writes_the_input():
     assert run_for(2.0, [flasher, adder]) == []
     assert state["runs"] + state["rejected"] >= 1
     assert state["bad"] == 0, state
+
+
+def _pool_threads(prefix):
+    """(thread id, nice value) of this process's threads whose name starts with ``prefix``."""
+    import os
+
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().startswith(prefix):
+                found.append((int(tid), os.getpriority(os.PRIO_PROCESS, int(tid))))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_background_forests_work_on_threads_of_lower_priority_and_the_same_results():
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((2, 3000, 16)).astype(np.float32)
+    queries = rng.standard_normal((4, 16)).astype(np.float32)
+    normal = HeadForest(keys, threads=3, seed=1)
+    background = HeadForest(keys, threads=3, seed=1, background=True)
+    deadline = time.monotonic() + 5  # each pool thread lowers itself as it starts
+    while True:
+        lowered = _pool_threads("icecache-bg-3-")
+        if (len(lowered) == 3 and all(nice == 10 for _, nice in lowered)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert len(lowered) == 3 and all(nice == 10 for _, nice in lowered), lowered
+    assert all(nice == 0 for _, nice in _pool_threads("icecache-3-")), "the normal pool is unchanged"
+    for a, b in zip(normal.select(queries, 8), background.select(queries, 8)):
+        assert np.array_equal(a, b)
+
+
+def test_the_runtime_builds_its_indexes_in_the_background():
+    from icecache.runtime import IceCacheConfig
+
+    assert IceCacheConfig().index_kwargs()["background"] is True

@@ -247,6 +247,11 @@ class HeadForest:
         effort: the query effort (a number; ``"auto"`` is ``DCIIndex``'s only).
         promotion: as for ``DCIIndex``; the default ``[0.01, 1/16, 1/16]`` gives leaf cells of
             about 100 keys.
+        background: run the forest's parallel work (the build, ``write_pages``, ``calibrate``,
+            ``select``, ``insert``) on a pool of ``threads`` threads of lower scheduling priority
+            (on Linux, nice 10; elsewhere normal threads), so that other threads of the process
+            (a decode step's) take the cores first where they compete. The IceCache runtime
+            builds its indexes this way.
     """
 
     def __new__(
@@ -261,6 +266,7 @@ class HeadForest:
         num_composite: Optional[int] = None,
         promotion: Union[float, Sequence[float], None] = None,
         effort: float = 1.0,
+        background: bool = False,
     ) -> Self: ...
     @property
     def num_heads(self) -> int: ...

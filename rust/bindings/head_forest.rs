@@ -120,7 +120,7 @@ impl PyHeadForest {
 #[pymethods]
 impl PyHeadForest {
     #[new]
-    #[pyo3(signature = (keys, *, page_size = 16, page_format = "native", seed = None, threads = None, num_simple = None, num_composite = None, promotion = None, effort = 1.0))]
+    #[pyo3(signature = (keys, *, page_size = 16, page_format = "native", seed = None, threads = None, num_simple = None, num_composite = None, promotion = None, effort = 1.0, background = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -133,13 +133,14 @@ impl PyHeadForest {
         #[pyo3(from_py_with = sizes::num_composite)] num_composite: Option<usize>,
         promotion: Option<&Bound<'_, PyAny>>,
         #[pyo3(from_py_with = sizes::effort)] effort: f32,
+        background: bool,
     ) -> PyResult<Self> {
         entry(|| {
             let format = PageFormat::parse(page_format).map_err(to_py)?;
             let (keys, shape) = Keys::extract_nd(keys, "keys", 0, 3)?;
             let mut cfg = HeadForest::default_config(shape[2]);
             apply_config(&mut cfg, num_simple, num_composite, promotion, seed, effort)?;
-            let workers = Workers::new(threads)?;
+            let workers = Workers::with_priority(threads, background)?;
             let data = keys.data()?;
             let inner =
                 run(py, || on_pool(workers, true, || HeadForest::build(data, shape[0], cfg, page_size, format)))?;

@@ -5,6 +5,11 @@
 //! spawning fresh ones per object, and objects working at once share the cores they asked for.
 //! `threads=None` is a pool of rayon's default size (`RAYON_NUM_THREADS`, else every core).
 //!
+//! Background pools (a separate pool per count) run work that nothing waits for at once, such
+//! as the runtime's index builds, on threads of lower scheduling priority (on Linux, nice
+//! [`BACKGROUND_NICE`]): where they share the cores with a decode step's threads, the step's
+//! threads run first, and the builds still take every core nothing else wants.
+//!
 //! Fork safety: a child of `fork()` inherits the parent's pools without their threads, so work
 //! handed to them would never return. Objects therefore keep only their thread count and look
 //! their pool up at each call; the lookup notices a new process id and starts new pools. In a
@@ -22,14 +27,26 @@ use crate::Error;
 /// instead of the OS refusing to start a million threads.
 pub(super) const MAX_THREADS: usize = 4096;
 
-/// An object's worker threads: its thread count, resolved to the shared pool at each call.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Workers(Option<usize>);
+/// The nice value of a background pool's threads (Linux; 0 is a normal thread's, 19 the lowest).
+pub(super) const BACKGROUND_NICE: i32 = 10;
+
+/// An object's worker threads: its thread count and priority, resolved to the shared pool at
+/// each call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Workers {
+    threads: Option<usize>,
+    background: bool,
+}
 
 impl Workers {
     /// Checks `threads` (`None`: rayon's default size) and starts its pool, so that a count
     /// the OS cannot serve fails in the constructor.
     pub fn new(threads: Option<usize>) -> PyResult<Workers> {
+        Workers::with_priority(threads, false)
+    }
+
+    /// As [`Workers::new`], on a background pool if `background` (see the module docs).
+    pub fn with_priority(threads: Option<usize>, background: bool) -> PyResult<Workers> {
         match threads {
             Some(0) => return Err(PyValueError::new_err("threads must be at least 1 (or None for all cores)")),
             Some(n) if n > MAX_THREADS => {
@@ -37,21 +54,21 @@ impl Workers {
             }
             _ => {}
         }
-        let workers = Workers(threads);
+        let workers = Workers { threads, background };
         workers.pool().map_err(super::guard::to_py)?;
         Ok(workers)
     }
 
     /// The pool of rayon's default size, for free functions.
     pub fn default_size() -> Workers {
-        Workers(None)
+        Workers { threads: None, background: false }
     }
 
     /// This process's pool for the thread count.
     fn pool(self) -> crate::Result<Arc<rayon::ThreadPool>> {
         struct Pools {
             pid: u32,
-            pools: Vec<(Option<usize>, Arc<rayon::ThreadPool>)>,
+            pools: Vec<(Workers, Arc<rayon::ThreadPool>)>,
         }
         static POOLS: Mutex<Pools> = Mutex::new(Pools { pid: 0, pools: Vec::new() });
         // A panic elsewhere cannot leave the list half-changed (a push or a drain is the only change).
@@ -65,21 +82,36 @@ impl Workers {
             }
             p.pid = pid;
         }
-        if let Some((_, pool)) = p.pools.iter().find(|(m, _)| *m == self.0) {
+        if let Some((_, pool)) = p.pools.iter().find(|(m, _)| *m == self) {
             return Ok(Arc::clone(pool));
         }
         let mut builder = rayon::ThreadPoolBuilder::new();
-        if let Some(n) = self.0 {
-            builder = builder.num_threads(n).thread_name(move |i| format!("icecache-{n}-{i}"));
+        let kind = if self.background { "icecache-bg" } else { "icecache" };
+        if let Some(n) = self.threads {
+            builder = builder.num_threads(n).thread_name(move |i| format!("{kind}-{n}-{i}"));
         } else {
-            builder = builder.thread_name(|i| format!("icecache-all-{i}"));
+            builder = builder.thread_name(move |i| format!("{kind}-all-{i}"));
+        }
+        if self.background {
+            builder = builder.start_handler(|_| lower_this_threads_priority());
         }
         let pool = builder.build().map(Arc::new).map_err(|e| {
-            let n = self.0.map_or_else(|| "the default number of".to_string(), |n| n.to_string());
+            let n = self.threads.map_or_else(|| "the default number of".to_string(), |n| n.to_string());
             Error::Invalid(format!("threads: could not start {n} threads: {e}"))
         })?;
-        p.pools.push((self.0, Arc::clone(&pool)));
+        p.pools.push((self, Arc::clone(&pool)));
         Ok(pool)
+    }
+}
+
+/// Gives the calling thread nice [`BACKGROUND_NICE`] (Linux's nice value is per thread). Best
+/// effort: where the OS refuses, the thread keeps its priority and the work is only less polite.
+fn lower_this_threads_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: plain system calls on the calling thread's own id.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, BACKGROUND_NICE);
     }
 }
 

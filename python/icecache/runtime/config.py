@@ -376,4 +376,7 @@ class IceCacheConfig:
             "num_composite": self.num_composite,
             "promotion": self.promotion,
             "effort": _core.AUTO_MIN_EFFORT if self.effort == "auto" else self.effort,
+            # Builds run behind decode steps: a step's threads (the main thread, the look-ahead
+            # worker's) take the cores first while later layers' indexes are built.
+            "background": True,
         }
