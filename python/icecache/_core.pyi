@@ -249,7 +249,7 @@ class HeadForest:
             about 100 keys.
         background: run the forest's parallel work (the build, ``write_pages``, ``calibrate``,
             ``select``, ``insert``) on a pool of ``threads`` threads of lower scheduling priority
-            (on Linux, nice 10; elsewhere normal threads), so that other threads of the process
+            (on Linux, nice raised by 10; elsewhere normal threads), so that other threads of the process
             (a decode step's) take the cores first where they compete. The IceCache runtime
             builds its indexes this way.
     """

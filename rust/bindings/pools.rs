@@ -7,7 +7,7 @@
 //!
 //! Background pools (a separate pool per count) run work that nothing waits for at once, such
 //! as the runtime's index builds, on threads of lower scheduling priority (on Linux, nice
-//! [`BACKGROUND_NICE`]): where they share the cores with a decode step's threads, the step's
+//! raised by [`BACKGROUND_NICE`]): where they share the cores with a decode step's threads, the step's
 //! threads run first, and the builds still take every core nothing else wants.
 //!
 //! Fork safety: a child of `fork()` inherits the parent's pools without their threads, so work
@@ -27,7 +27,7 @@ use crate::Error;
 /// instead of the OS refusing to start a million threads.
 pub(super) const MAX_THREADS: usize = 4096;
 
-/// The nice value of a background pool's threads (Linux; 0 is a normal thread's, 19 the lowest).
+/// How much a background pool's threads raise their nice value (Linux; 19 is the lowest priority).
 pub(super) const BACKGROUND_NICE: i32 = 10;
 
 /// An object's worker threads: its thread count and priority, resolved to the shared pool at
@@ -104,14 +104,16 @@ impl Workers {
     }
 }
 
-/// Gives the calling thread nice [`BACKGROUND_NICE`] (Linux's nice value is per thread). Best
-/// effort: where the OS refuses, the thread keeps its priority and the work is only less polite.
+/// Raises the calling thread's nice value by [`BACKGROUND_NICE`], to at most 19 (Linux's nice
+/// value is per thread; a new thread has its creator's). Best effort: where the OS refuses, the
+/// thread keeps its priority and the work is only less polite.
 fn lower_this_threads_priority() {
     #[cfg(target_os = "linux")]
     // SAFETY: plain system calls on the calling thread's own id.
     unsafe {
         let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        libc::setpriority(libc::PRIO_PROCESS, tid, BACKGROUND_NICE);
+        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
+        libc::setpriority(libc::PRIO_PROCESS, tid, (now + BACKGROUND_NICE).min(19));
     }
 }
 
