@@ -268,7 +268,7 @@ class LayerJobs:
         the job's writes; returns a follower's history lengths."""
         if max(flushed):
             self._first_pages(flushed)
-        most = max(flushed)
+        most = max(flushed)  # after _first_pages, which zeroes the flushes it built an index from
         if most:
             self._reserve(flushed, most)
         return self._history_lens()

@@ -373,9 +373,7 @@ class IceLayer(CacheLayerMixin):
                 parts.append((b, lo, hi))
                 self._indexed[b] = hi
         if queries is not None and scale is not None:
-            self._scale = scale
-            if self._keeps_queries:
-                self._last_query = queries[torch.arange(B), :, torch.tensor(last)]
+            self.keep_query(queries[torch.arange(B), :, torch.tensor(last)], scale)
         # The first chunk's middle is indexed behind the next layers' compute; a prompt of one
         # chunk is then ready as soon as that build is. Later chunks wait for the whole prompt,
         # which is indexed in one build (_finish_prompt): inserting chunk by chunk as they
