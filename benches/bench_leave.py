@@ -9,7 +9,9 @@ steps after. Random weights of ``bench_gpu.py``'s shapes and a random prompt.
 Variants: ``full`` (the full cache, SDPA), ``ice`` (IceCache, defaults), ``ice-once`` (IceCache
 with every reuse group leaving the bridge only once every index job is done, as before groups
 left on their own), ``ice-normal`` (IceCache with its index builds on threads of normal
-priority, as before they ran in the background). The last two are comparisons patched in here,
+priority, as before they ran in the background; they then share the normal pool with the
+inserts of the step that leaves the bridge, which wait behind them as before those moved off
+the builds' pool). The last two are comparisons patched in here,
 not options of the library.
 
     python benches/bench_leave.py --contexts 32768 --rounds 2            # on a GPU

@@ -891,6 +891,30 @@ def test_each_reuse_group_leaves_the_bridge_once_its_own_index_is_ready(monkeypa
     assert all(ahead for ahead in seen["after"][-1])
 
 
+def test_a_step_that_leaves_the_bridge_indexes_on_the_normal_pool(monkeypatch):
+    """The step that leaves the bridge while the worker still builds later layers' indexes
+    hands its tokens to the index on the normal pool (``background=False``): on the builds'
+    background pool it would wait for them. The worker's own index work stays in the
+    background."""
+    from icecache.runtime.jobs import LeaderJobs
+
+    calls = []
+    catch_up = LeaderJobs.catch_up
+
+    def recorded(self, b, k, v, *, background=True):
+        calls.append((threading.current_thread() is threading.main_thread(), background))
+        return catch_up(self, b, k, v, background=background)
+
+    monkeypatch.setattr(LeaderJobs, "catch_up", recorded)
+    model = tiny_model("llama")
+    ids = prompt_ids(300, seed=21)
+    cfg = IceCacheConfig(budget=1024, full_layers=1, page_format="int8")
+    _first_group_run(monkeypatch, model, ids, cfg, None)
+    on_main = [background for main, background in calls if main]
+    assert on_main and not any(on_main), calls  # the leaving steps' inserts
+    assert all(background for main, background in calls if not main), calls  # the worker's
+
+
 def test_bridge_of_a_prefilled_cache_owns_its_prompt(monkeypatch):
     """``from_prefilled`` with the bridge: the bridged steps attend a copy of the source's
     prompt, so changing the source in place (older transformers' ``reset`` zeroes it) changes
@@ -967,9 +991,9 @@ def test_prefill_indexes_on_the_worker_while_the_forward_returns(monkeypatch):
     released, seen = threading.Event(), []
     add = PageIndex.add
 
-    def held_add(self, *args):
+    def held_add(self, *args, **kwargs):
         seen.append(released.wait(timeout=60))
-        return add(self, *args)
+        return add(self, *args, **kwargs)
 
     monkeypatch.setattr(PageIndex, "add", held_add)
     cache = IceCache(IceCacheConfig(budget=96, full_layers=1, exact_until_indexed=False), model)
@@ -988,7 +1012,7 @@ def test_prefill_indexes_on_the_worker_while_the_forward_returns(monkeypatch):
 
 @pytest.mark.parametrize("exact_until_indexed", [False, True])
 def test_prefill_index_failure_surfaces_at_decode_and_stays(monkeypatch, exact_until_indexed):
-    def failing_add(self, *args):
+    def failing_add(self, *args, **kwargs):
         raise RuntimeError("index build failed")
 
     monkeypatch.setattr(PageIndex, "add", failing_add)

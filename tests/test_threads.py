@@ -177,3 +177,56 @@ def test_the_runtime_builds_its_indexes_in_the_background():
     from icecache.runtime import IceCacheConfig
 
     assert IceCacheConfig().index_kwargs()["background"] is True
+
+
+def _insert_beside_a_build(background):
+    """Whether an insert into a background forest, on the pool ``background`` names, returns
+    while another background forest of that pool size is being built."""
+    rng = np.random.default_rng(3)
+    keys = rng.standard_normal((2, 2000, 32)).astype(np.float32)
+    forest = HeadForest(keys, threads=1, seed=1, page_format="int8", background=True)
+    k_store = np.zeros((2, forest.max_pages() + 64, 16 * (32 + 4)), np.uint8)
+    v_store = np.zeros_like(k_store)
+    forest.write_pages(keys, keys, k_store, v_store)
+    big = rng.standard_normal((8, 32768, 64)).astype(np.float32)  # a build of a second or so on one thread
+    started, done = threading.Event(), threading.Event()
+
+    def build():
+        started.set()
+        HeadForest(big, threads=1, seed=2, background=True)
+        done.set()
+
+    worker = threading.Thread(target=build)
+    worker.start()
+    started.wait()
+    time.sleep(0.1)  # the build holds the pool's one thread
+    new = rng.standard_normal((2, 16, 32)).astype(np.float32)
+    forest.insert(new, new, k_store, v_store, background=background)
+    during = not done.is_set()
+    worker.join()
+    return during
+
+
+def test_an_insert_on_the_normal_pool_does_not_wait_for_a_background_build():
+    # A decode step's inserts pass background=False: on the background pool they would wait
+    # for the threads to finish the index worker's build (the second call shows that they do).
+    assert _insert_beside_a_build(background=False)
+    assert not _insert_beside_a_build(background=True)
+
+
+def test_the_pool_an_insert_runs_on_changes_nothing_it_writes():
+    rng = np.random.default_rng(4)
+    keys = rng.standard_normal((3, 1500, 16)).astype(np.float32)
+    new = rng.standard_normal((3, 40, 16)).astype(np.float32)
+    out = []
+    for background in (None, False, True):
+        forest = HeadForest(keys, threads=2, seed=5, page_format="int8", background=True)
+        k_store = np.zeros((3, forest.max_pages() + 40, 16 * (16 + 4)), np.uint8)
+        v_store = np.zeros_like(k_store)
+        forest.write_pages(keys, keys, k_store, v_store, background=background)
+        changed = forest.insert(new, new, k_store, v_store, background=background)
+        out.append((changed, k_store, v_store, [forest.token_map(h) for h in range(3)]))
+    for changed, k_store, v_store, maps in out[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(changed, out[0][0]))
+        assert np.array_equal(k_store, out[0][1]) and np.array_equal(v_store, out[0][2])
+        assert all(np.array_equal(x, y) for m, m0 in zip(maps, out[0][3]) for x, y in zip(m, m0))

@@ -251,7 +251,8 @@ class HeadForest:
             ``select``, ``insert``) on a pool of ``threads`` threads of lower scheduling priority
             (on Linux, nice raised by 10; elsewhere normal threads), so that other threads of the process
             (a decode step's) take the cores first where they compete. The IceCache runtime
-            builds its indexes this way.
+            builds its indexes this way. :meth:`write_pages` and :meth:`insert` take
+            ``background`` per call as well.
     """
 
     def __new__(
@@ -292,7 +293,13 @@ class HeadForest:
     def token_map(self, head: int) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
         """``(page, slot)`` of every token position of ``head``."""
     def write_pages(
-        self, k_src: npt.ArrayLike, v_src: npt.ArrayLike, k_store: npt.ArrayLike, v_store: npt.ArrayLike
+        self,
+        k_src: npt.ArrayLike,
+        v_src: npt.ArrayLike,
+        k_store: npt.ArrayLike,
+        v_store: npt.ArrayLike,
+        *,
+        background: Optional[bool] = None,
     ) -> None:
         """Writes K and V of every token (``[H_kv, n, d]`` in position order) into the page stores
         (``[H_kv, P, page_size, d]``, same dtype, writable, ``P >= max_pages()``), in parallel.
@@ -317,7 +324,9 @@ class HeadForest:
         page layout (a reuse group's follower) may write its own keys into its own stores, which
         then must not be the forest's (they are told apart by a checksum of each head's page 0).
         The check reads every key once more (measured: about as long again as the write of
-        16-bit pages)."""
+        16-bit pages).
+
+        ``background``: the pool the write runs on, as for :meth:`insert`."""
     def select(
         self,
         queries: npt.ArrayLike,
@@ -371,7 +380,13 @@ class HeadForest:
     def efforts(self) -> List[float]:
         """Each KV head's own search effort (the constructor's, or as ``calibrate`` set it)."""
     def insert(
-        self, keys: npt.ArrayLike, values: npt.ArrayLike, k_store: npt.ArrayLike, v_store: npt.ArrayLike
+        self,
+        keys: npt.ArrayLike,
+        values: npt.ArrayLike,
+        k_store: npt.ArrayLike,
+        v_store: npt.ArrayLike,
+        *,
+        background: Optional[bool] = None,
     ) -> List[npt.NDArray[np.int32]]:
         """Appends ``m`` tokens per head (``[H_kv, m, d]``), writes their K/V (and any tokens a page
         split moves) into the stores, and returns per head the pages whose contents changed.
@@ -379,7 +394,13 @@ class HeadForest:
         forest's keys to (or a copy; ``ValueError`` otherwise, nothing inserted). 8-bit stores as
         for :meth:`write_pages`: new tokens are quantised, moved tokens keep their codes and scales.
         Each new key joins the leaf cell nearest it (or, with the first promotion ratio, opens one of its own) and the
-        nearest page of that cell with room; when all are full, the nearest page splits in two."""
+        nearest page of that cell with room; when all are full, the nearest page splits in two.
+
+        ``background``: the pool the insert runs on, as the constructor's argument (``None``: the
+        forest's own). A caller that waits for the insert while builds keep the background pool
+        busy passes ``False``: work handed to a busy pool waits until its threads run out of the
+        build's tasks (seconds beside a large build), while the normal pool's threads are free
+        and take the cores first."""
 
 @final
 class ResidentPages:

@@ -48,6 +48,12 @@ impl PyHeadForest {
         self.workers
     }
 
+    /// The pool of a call that may choose its priority: the forest's own (`None`), else the
+    /// pool of the forest's thread count at the priority asked for.
+    fn pool_for(&self, background: Option<bool>) -> Workers {
+        background.map_or(self.workers, |b| self.workers.with_background(b))
+    }
+
     /// The K and V page stores, borrowed writable and checked against this forest's shape:
     /// `[H_kv, P, page_size, d]` of the tokens' element `T`, or for quantised stores (`bytes`,
     /// see `byte_stores`) `[H_kv, P, page bytes]` uint8 (the format's K and V page bytes).
@@ -235,6 +241,7 @@ impl PyHeadForest {
     }
 
     /// Writes K and V of every token into the page stores.
+    #[pyo3(signature = (k_src, v_src, k_store, v_store, *, background = None))]
     fn write_pages(
         &self,
         py: Python<'_>,
@@ -242,6 +249,7 @@ impl PyHeadForest {
         v_src: &Bound<'_, PyAny>,
         k_store: &Bound<'_, PyAny>,
         v_store: &Bound<'_, PyAny>,
+        background: Option<bool>,
     ) -> PyResult<()> {
         entry(|| {
             let arrays = [k_src, v_src, k_store, v_store].map(|a| a.clone().unbind());
@@ -250,7 +258,7 @@ impl PyHeadForest {
                 let [k_src, v_src, k_store, v_store] = arrays.each_ref().map(|a| a.bind(py));
                 let (h, d) = (self.num_heads, self.dim);
                 let n = forest.len();
-                let pool = self.pool();
+                let pool = self.pool_for(background);
                 let bytes = self.byte_stores(k_store)?;
                 with_elem!(k_src, "k_src", |T| {
                     let mut stores = self.borrow_stores::<T>(bytes, k_store, v_store)?;
@@ -347,6 +355,7 @@ impl PyHeadForest {
     }
 
     /// Appends tokens (``[H_kv, m, d]``), writes them into the stores; returns changed pages per head.
+    #[pyo3(signature = (keys, values, k_store, v_store, *, background = None))]
     fn insert<'py>(
         &self,
         py: Python<'py>,
@@ -354,6 +363,7 @@ impl PyHeadForest {
         values: &Bound<'py, PyAny>,
         k_store: &Bound<'py, PyAny>,
         v_store: &Bound<'py, PyAny>,
+        background: Option<bool>,
     ) -> PyResult<Vec<NdArray1<'py, i32>>> {
         entry(|| {
             let arrays = [keys, values, k_store, v_store].map(|a| a.clone().unbind());
@@ -372,7 +382,7 @@ impl PyHeadForest {
                     // Copies: what the core validates must be what it inserts, whatever other
                     // threads do to the caller's arrays meanwhile.
                     let (krl, vrl) = (kr.as_slice()?.to_vec(), vr.as_slice()?.to_vec());
-                    let pool = self.pool();
+                    let pool = self.pool_for(background);
                     release(py, || on_pool(pool, true, || forest.insert(&krl, &vrl, stores)))
                 })
             })?;

@@ -59,6 +59,12 @@ impl Workers {
         Ok(workers)
     }
 
+    /// The same thread count at the priority `background` asks for. Its pool starts at the
+    /// first call that uses it.
+    pub fn with_background(self, background: bool) -> Workers {
+        Workers { background, ..self }
+    }
+
     /// The pool of rayon's default size, for free functions.
     pub fn default_size() -> Workers {
         Workers { threads: None, background: false }

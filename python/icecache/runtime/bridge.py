@@ -45,7 +45,8 @@ class Bridge:
         padding: per sequence, the prompt's padding positions.
         window: the layer's device window, which takes the last tokens when the bridge ends.
         catch_up: puts sequence ``b``'s tokens ``[H_kv, c, D]`` (CPU) into its index, in
-            position order after those indexed before (the layer's jobs).
+            position order after those indexed before (``LayerJobs.catch_up``, with its
+            ``background`` keyword).
         submit: runs a function on the runtime's index worker.
         transit: the runtime's host buffer for device-to-host copies on that worker.
         host: the whole prompt in host memory (a chunked prefill's :class:`HostPrefix`), whose
@@ -65,7 +66,7 @@ class Bridge:
         padding: List[int],
         *,
         window: DeviceWindow,
-        catch_up: Callable[[int, torch.Tensor, torch.Tensor], None],
+        catch_up: Callable[..., None],
         submit: Callable[..., None],
         transit: Transit,
         host: Optional[HostPrefix] = None,
@@ -184,7 +185,10 @@ class Bridge:
             w = min(keep, k_rest.shape[1])
             c = k_rest.shape[1] - w
             if c:
-                self._catch_up(b, k_rest[:, :c].contiguous().cpu(), v_rest[:, :c].contiguous().cpu())
+                # On the normal pool: this step waits for it, and the worker may still be
+                # building later layers' indexes on the background pool.
+                k_c, v_c = k_rest[:, :c].contiguous().cpu(), v_rest[:, :c].contiguous().cpu()
+                self._catch_up(b, k_c, v_c, background=False)
             self._window.refill(b, k_rest[:, c:], v_rest[:, c:])
 
 

@@ -79,10 +79,15 @@ class LayerJobs:
     def _open_sequences(self) -> None:
         raise NotImplementedError
 
-    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor, *, background: bool = True) -> None:
         """Put sequence ``b``'s tokens ``[H_kv, c, D]`` (CPU) into its index and stores, in
         position order after the ones indexed before (the first ones build the index): the
-        prompt's middle, and the tokens that left the window during a bridge."""
+        prompt's middle, and the tokens that left the window during a bridge.
+
+        ``background``: whether the work may run on the background pool, where the index
+        worker's builds run. A decode step passes ``False`` (the work runs on the normal pool):
+        handed to the background pool it would wait for the threads to run out of a build's
+        tasks (benches/RESULTS.md, "A decode step's inserts beside the index builds")."""
         raise NotImplementedError
 
     def calibrate(self, b: int, q: torch.Tensor) -> None:
@@ -367,14 +372,14 @@ class LeaderJobs(LayerJobs):
         self.indexes[b].calibrate(q.contiguous(), self.stores[b])
         self.runtime.stats.calibrate_s += time.perf_counter() - t
 
-    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor, *, background: bool = True) -> None:
         index, store = self.indexes[b], self.stores[b]
         if index.forest is None:
-            index.add(k, v, store)
+            index.add(k, v, store, background=background)
             return
         used = index.forest.max_pages()
         store.reserve(used + k.shape[1], used)  # the build left headroom
-        index.forest.insert(numpy_view(k), numpy_view(v), *store.views())
+        index.forest.insert(numpy_view(k), numpy_view(v), *store.views(), background=background)
 
     def indexed_pages(self, b: int) -> int:
         """Pages sequence ``b``'s index uses now."""
@@ -402,7 +407,8 @@ class LeaderJobs(LayerJobs):
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the flush copy
             bufs = self.buffers()
-            self.indexes[b].add(bufs.flush_k[b, :, :m].clone(), bufs.flush_v[b, :, :m].clone(), self.stores[b])
+            k, v = bufs.flush_k[b, :, :m].clone(), bufs.flush_v[b, :, :m].clone()
+            self.indexes[b].add(k, v, self.stores[b], background=False)  # the step waits for it
             self.built_now[b] = True
             flushed[b] = 0
             self._lend(b)
@@ -433,9 +439,9 @@ class FollowerJobs(LayerJobs):
     def _leader_lookahead(self) -> Optional[_core.LookAheadLayer]:
         return self.leader.lookahead
 
-    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def catch_up(self, b: int, k: torch.Tensor, v: torch.Tensor, *, background: bool = True) -> None:
         self.histories[b].append(k, v)
-        self.leader.indexes[b].follow(self.histories[b], self.stores[b])
+        self.leader.indexes[b].follow(self.histories[b], self.stores[b], background=background)
 
     def _reserve_first(self, b: int) -> None:
         self.histories[b].reserve(self.histories[b].n + self.runtime.config.page_size)
@@ -465,7 +471,7 @@ class FollowerJobs(LayerJobs):
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the flush copy
             bufs = self.buffers()
-            self.catch_up(b, bufs.flush_k[b, :, :m].clone(), bufs.flush_v[b, :, :m].clone())
+            self.catch_up(b, bufs.flush_k[b, :, :m].clone(), bufs.flush_v[b, :, :m].clone(), background=False)
             flushed[b] = 0
             self._lend(b)
 

@@ -243,11 +243,13 @@ class PageIndex:
         #: One :class:`icecache.Calibration` per KV head once :meth:`calibrate` has run.
         self.calibrations: Optional[List[_core.Calibration]] = None
 
-    def add(self, k: torch.Tensor, v: torch.Tensor, store: PageStore) -> None:
+    def add(self, k: torch.Tensor, v: torch.Tensor, store: PageStore, *, background: bool = True) -> None:
         """Index a prompt's middle tokens ``[H_kv, m, D]`` (CPU, contiguous) and write them into
-        ``store`` in page order."""
+        ``store`` in page order. ``background``: the build's pool, and the forest's from then
+        on (``HeadForest``'s argument): ``False`` for a caller that waits for it, such as a
+        decode step (see :meth:`icecache.HeadForest.insert`)."""
         k_np, v_np = numpy_view(k), numpy_view(v)
-        self.forest = _core.HeadForest(k_np, **self.config.index_kwargs())
+        self.forest = _core.HeadForest(k_np, **dict(self.config.index_kwargs(), background=background))
         store.reserve(headroom(self.forest.max_pages()), 0)
         self.forest.write_pages(k_np, v_np, *store.views())
 
@@ -268,12 +270,13 @@ class PageIndex:
         )
         return self.calibrations
 
-    def follow(self, history: History, store: PageStore) -> None:
-        """Write a reusing layer's prompt (``history``) into ``store`` in this index's layout."""
+    def follow(self, history: History, store: PageStore, *, background: bool = True) -> None:
+        """Write a reusing layer's prompt (``history``) into ``store`` in this index's layout
+        (``background``: the write's pool, as for :meth:`add`)."""
         forest = self.forest
         if forest is None:
             raise RuntimeError("PageIndex.follow() needs an add() first: the leader's layout")
         store.reserve(headroom(forest.max_pages()), 0)
         k_src = numpy_view(history.k[:, : history.n])
         v_src = numpy_view(history.v[:, : history.n])
-        forest.write_pages(k_src, v_src, *store.views())
+        forest.write_pages(k_src, v_src, *store.views(), background=background)
