@@ -17,10 +17,19 @@ a share of bf16 K+V (``4 * dim`` bytes):
   inserts use it: address space, not resident memory, where the allocator maps large blocks
   lazily).
 
-Resident memory of the whole runtime (staging, transit, the allocator) is measured on a GPU by
-``benches/bench_gpu.py`` (its "RSS growth" column).
+Then the runtime's own host buffers, per sequence and against its bf16 K+V, at ``--layers``
+IceCache layers and the default configuration: the decode steps' staging (one pinned buffer
+per layer, sized for the selected pages of every sequence of the batch) and the prefill's
+transit buffer (one per cache: one sequence's middle keys and values of one layer). And, with
+``--rss-layers N``, what the process's resident memory grows by while N layers of the default
+format are built and written as the runtime does, against what they hold (whether the
+allocator keeps much of the builds' scratch).
+
+Resident memory of the whole runtime (staging, transit, the allocator, CUDA's) is measured on a
+GPU by ``benches/bench_gpu.py`` (its "RSS growth" column).
 
     python benches/bench_host_bytes.py [--heads 8] [--tokens 32720] [--dim 128] [--formats native int8 k8v4]
+        [--layers 30] [--rss-layers 0]
 """
 
 from __future__ import annotations
@@ -72,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--formats", nargs="+", default=["native", "int8", "k8v4"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=30, help="IceCache layers (default 30: Llama-3.1-8B's 32 less 2)")
+    ap.add_argument("--rss-layers", type=int, default=0, help="layers to build for the resident-memory check")
     args = ap.parse_args(argv)
     print(run_header("Host bytes per offloaded token", None)[0])
     rng = np.random.default_rng(args.seed)
@@ -96,7 +107,78 @@ def main(argv=None) -> int:
             f"{cell(m['own'])} | {cell(m['own'] + m['headroom'])} |",
             flush=True,
         )
+    runtime_buffers(args)
+    if args.rss_layers:
+        rss_check(args, keys, values)
     return 0
+
+
+def runtime_buffers(args) -> None:
+    """The staging and transit buffers per sequence (see the module docs)."""
+    import torch
+    from icecache.runtime import IceCacheConfig
+    from icecache.runtime.staging import Staging
+
+    cfg = IceCacheConfig()
+    layer_bf16 = args.heads * args.tokens * 4 * args.dim  # one sequence, one layer
+    print(
+        f"\nRuntime buffers, default configuration (page format {cfg.page_format}, {cfg.selected_pages} "
+        f"selected pages), {args.layers} IceCache layers, per sequence (x its bf16 K+V)\n"
+    )
+    print("| batch | staging B per layer and sequence (x) | transit B per sequence (x) |")
+    print("|---|---|---|")
+    for batch in (1, 8):
+        staging = Staging.for_layer(
+            batch=batch,
+            kv_heads=args.heads,
+            dim=args.dim,
+            page_size=cfg.page_size,
+            dtype=torch.bfloat16,
+            max_pages=cfg.selected_pages,
+            capacity=cfg.device_pages,
+            page_format=cfg.page_format,
+        ).bytes
+        transit = layer_bf16 / batch  # one buffer: a sequence-layer's middle, shared by the batch
+        print(
+            f"| {batch} | {staging / batch:,.0f} ({staging / batch / layer_bf16:.4f}x) "
+            f"| {transit:,.0f} ({transit / (args.layers * layer_bf16):.4f}x) |"
+        )
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def rss_check(args, keys: np.ndarray, values: np.ndarray) -> None:
+    """Resident memory of ``--rss-layers`` built and written layers against their own bytes."""
+    import icecache
+    import torch
+    from icecache.runtime import IceCacheConfig
+    from icecache.runtime.pages import PageStore, headroom
+
+    cfg = IceCacheConfig()
+    H, n, D = keys.shape
+    k, v = (torch.from_numpy(x).bfloat16().view(torch.int16).numpy().view(np.uint16) for x in (keys, values))
+    held, own = [], 0
+    base = _rss()
+    for layer in range(args.rss_layers):
+        forest = icecache.HeadForest(k, **dict(cfg.index_kwargs(), seed=layer))
+        store = PageStore(H, cfg.page_size, D, torch.bfloat16, cfg.page_format)
+        store.reserve(headroom(forest.max_pages()), 0)
+        forest.write_pages(k, v, *store.views())
+        used = sum(forest.num_pages(h) for h in range(H))
+        own += used * store.nbytes() // (H * store.pages) + forest.nbytes()
+        held.append((forest, store))
+    grown = _rss() - base
+    bf16 = args.rss_layers * H * n * 4 * D
+    print(
+        f"\n{args.rss_layers} layers built and written ({cfg.page_format}): own {own / 2**20:,.0f} MiB "
+        f"({own / bf16:.3f}x bf16 K+V), resident memory grew {grown / 2**20:,.0f} MiB ({grown / bf16:.3f}x)"
+    )
 
 
 if __name__ == "__main__":
