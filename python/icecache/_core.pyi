@@ -399,8 +399,8 @@ class HeadForest:
         ``background``: the pool the insert runs on, as the constructor's argument (``None``: the
         forest's own). A caller that waits for the insert while builds keep the background pool
         busy passes ``False``: work handed to a busy pool waits until its threads run out of the
-        build's tasks (seconds beside a large build), while the normal pool's threads are free
-        and take the cores first."""
+        build's tasks (up to most of the build), while the normal pool's threads are free and
+        take the cores first."""
 
 @final
 class ResidentPages:
