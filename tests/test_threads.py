@@ -179,6 +179,16 @@ def test_the_runtime_builds_its_indexes_in_the_background():
     assert IceCacheConfig().index_kwargs()["background"] is True
 
 
+def _cpu_seconds(prefix):
+    """CPU time so far of this process's threads whose name starts with ``prefix``."""
+    ticks = 0
+    for tid, _ in _pool_threads(prefix):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _insert_beside_a_build(background):
     """Whether an insert into a background forest, on the pool ``background`` names, returns
     while another background forest of that pool size is being built."""
@@ -196,10 +206,15 @@ def _insert_beside_a_build(background):
         HeadForest(big, threads=1, seed=2, background=True)
         done.set()
 
+    before = _cpu_seconds("icecache-bg-1-")
     worker = threading.Thread(target=build)
     worker.start()
     started.wait()
-    time.sleep(0.1)  # the build holds the pool's one thread
+    # Until the build holds the pool's one thread: it has run there for a while.
+    deadline = time.monotonic() + 30
+    while _cpu_seconds("icecache-bg-1-") < before + 0.05 and not done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not done.is_set(), "the build ended before the insert could start: make it larger"
     new = rng.standard_normal((2, 16, 32)).astype(np.float32)
     forest.insert(new, new, k_store, v_store, background=background)
     during = not done.is_set()
@@ -207,6 +222,7 @@ def _insert_beside_a_build(background):
     return during
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the pool threads' CPU time from /proc")
 def test_an_insert_on_the_normal_pool_does_not_wait_for_a_background_build():
     # A decode step's inserts pass background=False: on the background pool they would wait
     # for the threads to finish the index worker's build (the second call shows that they do).
