@@ -128,16 +128,7 @@ def runtime_buffers(args) -> None:
     print("| batch | staging B per layer and sequence (x) | transit B per sequence (x) |")
     print("|---|---|---|")
     for batch in (1, 8):
-        staging = Staging.for_layer(
-            batch=batch,
-            kv_heads=args.heads,
-            dim=args.dim,
-            page_size=cfg.page_size,
-            dtype=torch.bfloat16,
-            max_pages=cfg.selected_pages,
-            capacity=cfg.device_pages,
-            page_format=cfg.page_format,
-        ).bytes
+        staging = Staging.for_layer(cfg, batch=batch, kv_heads=args.heads, dim=args.dim, dtype=torch.bfloat16).bytes
         transit = layer_bf16 / batch  # one buffer: a sequence-layer's middle, shared by the batch
         print(
             f"| {batch} | {staging / batch:,.0f} ({staging / batch / layer_bf16:.4f}x) "
@@ -154,25 +145,25 @@ def _rss() -> int:
 
 
 def rss_check(args, keys: np.ndarray, values: np.ndarray) -> None:
-    """Resident memory of ``--rss-layers`` built and written layers against their own bytes."""
-    import icecache
+    """Resident memory of ``--rss-layers`` layers, each indexed and written by the runtime's
+    ``PageIndex.add``, against their own bytes."""
     import torch
     from icecache.runtime import IceCacheConfig
-    from icecache.runtime.pages import PageStore, headroom
+    from icecache.runtime.pages import PageIndex, PageStore
 
     cfg = IceCacheConfig()
     H, n, D = keys.shape
-    k, v = (torch.from_numpy(x).bfloat16().view(torch.int16).numpy().view(np.uint16) for x in (keys, values))
+    k, v = (torch.from_numpy(x).bfloat16() for x in (keys, values))
     held, own = [], 0
     base = _rss()
     for layer in range(args.rss_layers):
-        forest = icecache.HeadForest(k, **dict(cfg.index_kwargs(), seed=layer))
+        index = PageIndex(H, IceCacheConfig(seed=layer))
         store = PageStore(H, cfg.page_size, D, torch.bfloat16, cfg.page_format)
-        store.reserve(headroom(forest.max_pages()), 0)
-        forest.write_pages(k, v, *store.views())
+        index.add(k, v, store)
+        forest = index.forest
         used = sum(forest.num_pages(h) for h in range(H))
         own += used * store.nbytes() // (H * store.pages) + forest.nbytes()
-        held.append((forest, store))
+        held.append((index, store))
     grown = _rss() - base
     bf16 = args.rss_layers * H * n * 4 * D
     print(

@@ -61,16 +61,7 @@ class LayerJobs:
         if bufs is not None and (bufs.flush_k.shape != (batch, heads, S, dim) or bufs.flush_k.dtype != dtype):
             self._made_buffers = self._made_views = None  # an earlier prompt's buffers, of other shapes
         self.batch, self.heads, self.dim, self.dtype, self.device = batch, heads, dim, dtype, device
-        self.staging = Staging.for_layer(
-            batch=batch,
-            kv_heads=heads,
-            dim=dim,
-            page_size=S,
-            dtype=dtype,
-            max_pages=cfg.selected_pages,
-            capacity=cfg.device_pages,
-            page_format=cfg.page_format,
-        )
+        self.staging = Staging.for_layer(cfg, batch=batch, kv_heads=heads, dim=dim, dtype=dtype)
         self.stores = [PageStore(heads, S, dim, dtype, cfg.page_format) for _ in range(batch)]
         self._open_sequences()
 

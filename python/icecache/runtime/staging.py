@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from icecache import _core
+from icecache.runtime.config import IceCacheConfig
 
 __all__ = ["Staging", "StagingView"]
 
@@ -58,29 +59,20 @@ class Staging:
     page_format: str
 
     @classmethod
-    def for_layer(
-        cls,
-        *,
-        batch: int,
-        kv_heads: int,
-        dim: int,
-        page_size: int,
-        dtype: torch.dtype,
-        max_pages: int,
-        capacity: int,
-        page_format: str,
-    ) -> Staging:
+    def for_layer(cls, config: IceCacheConfig, *, batch: int, kv_heads: int, dim: int, dtype: torch.dtype) -> Staging:
+        """The layout a layer of these shapes stages under ``config``: its pages, a job's
+        selection (``selected_pages``) and the device pool (``device_pages``)."""
         layout = _core.LookAheadLayer.staging_layout(
             batch=batch,
             kv_heads=kv_heads,
             dim=dim,
-            page_size=page_size,
+            page_size=config.page_size,
             itemsize=dtype.itemsize,
-            max_pages=max_pages,
-            capacity=capacity,
-            page_format=page_format,
+            max_pages=config.selected_pages,
+            capacity=config.device_pages,
+            page_format=config.page_format,
         )
-        return cls(layout, batch, kv_heads, page_size, dim, dtype, page_format)
+        return cls(layout, batch, kv_heads, config.page_size, dim, dtype, config.page_format)
 
     @property
     def bytes(self) -> int:
