@@ -3,16 +3,17 @@
 
 A step graph replays the device's work; what the host still does per IceCache layer and step is
 its own Python and native calls around the replay (:mod:`icecache.runtime.stepgraph`):
-``step_count`` (the token counted into the window), ``step_stage`` (the look-ahead job waited
-for, its staging uploaded, the window's inserted tokens dropped) and ``step_after`` (the next
-job started). On the CPU, ``StepGraph.enabled = True`` runs the same phases eagerly, so their
-host time can be timed here without a GPU; the GPU host's Python is slower (gVisor), and there
+``IceLayer.step_count`` (the token counted into the window), ``StepGraph._stage`` per graph
+segment (its layers' look-ahead jobs waited for, the windows' inserted tokens dropped, the
+staging uploaded) and ``StepGraph._after`` (every layer's next job prepared and queued). On
+the CPU, ``StepGraph.enabled = True`` runs the same phases eagerly, so their host time can be
+timed here without a GPU; the GPU host's Python is slower (gVisor), and there
 the uploads are CUDA calls, so this is a lower bound of the same work, for comparing changes.
 
 The model has the Llama-3.1-8B attention shape (32 query heads, 8 KV heads of 128) with small
 hidden and MLP sizes (random weights), ``--layers`` layers, the first a full-cache layer. After
 a ``--context``-token prompt and ``--warmup`` steps, ``--steps`` steps are timed per round.
-Reported per IceCache layer step: each phase's host time, the time ``step_stage`` waited for
+Reported per IceCache layer step: each phase's host time, the time the stage waited for
 the look-ahead worker (its selection, not host work), and the host work in all (the phases
 less that wait).
 
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     import torch
     from icecache.runtime import IceCache, IceCacheConfig
     from icecache.runtime.layer import IceLayer
+    from icecache.runtime.stepgraph import StepGraph
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -52,9 +54,10 @@ def main(argv=None) -> int:
         max_position_embeddings=1 << 20,
     )
     model = LlamaForCausalLM(config).eval()
-    phases = ("step_count", "step_stage", "step_after")
+    owners = {"step_count": IceLayer, "_stage": StepGraph, "_after": StepGraph}
+    phases = tuple(owners)
     spent: dict = collections.defaultdict(float)
-    originals = {name: getattr(IceLayer, name) for name in phases}
+    originals = {name: getattr(owner, name) for name, owner in owners.items()}
 
     def timed(name):
         original = originals[name]
@@ -68,10 +71,10 @@ def main(argv=None) -> int:
 
         return wrapper
 
-    for name in phases:
-        setattr(IceLayer, name, timed(name))
+    for name, owner in owners.items():
+        setattr(owner, name, timed(name))
     ids = torch.randint(1, config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(1))
-    print("| round | layer steps | step_count us | step_stage us (of it waiting) | step_after us | host work us |")
+    print("| round | layer steps | count us | stage us (of it waiting) | after us | host work us |")
     print("|---|---|---|---|---|---|")
     try:
         for r in range(args.rounds):
@@ -94,14 +97,14 @@ def main(argv=None) -> int:
             per = {name: spent[name] / n * 1e6 for name in phases}
             host = sum(per.values()) - waited / n * 1e6
             print(
-                f"| {r} | {n} | {per['step_count']:.1f} | {per['step_stage']:.1f} ({waited / n * 1e6:.1f}) "
-                f"| {per['step_after']:.1f} | **{host:.1f}** |",
+                f"| {r} | {n} | {per['step_count']:.1f} | {per['_stage']:.1f} ({waited / n * 1e6:.1f}) "
+                f"| {per['_after']:.1f} | **{host:.1f}** |",
                 flush=True,
             )
             cache.reset()
     finally:
         for name, original in originals.items():
-            setattr(IceLayer, name, original)
+            setattr(owners[name], name, original)
     return 0
 
 

@@ -581,11 +581,31 @@ class LookAheadLayer:
         it now, on this thread (without the GIL). ``history_lens`` (layers with a leader): each
         history's length once the flushed tokens are appended. Raises ``RuntimeError`` while the
         previous job runs."""
+    @staticmethod
+    def start_all(
+        layers: Sequence[LookAheadLayer],
+        flushed: Sequence[Sequence[int]],
+        *,
+        steps: Sequence[int],
+        history_lens: Sequence[Optional[Sequence[int]]],
+    ) -> None:
+        """:meth:`start` for one decode step of several layers, queued in their order (a layer
+        with a leader after it) with the GIL released once, which a step of many layers would
+        otherwise pay per layer: ``layers[i].start(flushed[i], step=steps[i],
+        history_lens=history_lens[i])``. Every layer's arguments are checked before any job
+        starts (``ValueError``); a layer whose job cannot start (``RuntimeError``: its previous
+        job still runs, or its leader's has not started) raises after the layers before it
+        started theirs, as separate calls would."""
     def done(self) -> bool:
         """Whether the current job has finished (``True`` when there is none)."""
     def wait(self) -> LookAheadOutcome:
         """Blocks (without the GIL) until the current job has finished; its outcome. Raises its
         error (``RuntimeError``) as often as it is asked."""
+    @staticmethod
+    def wait_all(layers: Sequence[LookAheadLayer]) -> List[LookAheadOutcome]:
+        """:meth:`wait` for several layers, with the GIL released once: their outcomes, in
+        order. Raises the first error among them (``RuntimeError``; also for a layer that started
+        no job)."""
     def selected(self) -> npt.NDArray[np.int32]:
         """``[B, kv_heads, max_pages]``: the pages the current job selected, ranked (-1 past each
         head's count; a following layer gives its leader's). Waits for the job."""

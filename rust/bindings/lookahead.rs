@@ -348,6 +348,54 @@ impl PyLookAheadLayer {
         entry(|| run(py, || self.inner.start(&flushed, step, history_lens.as_deref())))
     }
 
+    /// Starts one step's jobs of several layers, in order, with the GIL released once. See
+    /// ``icecache/_core.pyi``.
+    #[staticmethod]
+    #[pyo3(signature = (layers, flushed, *, steps, history_lens))]
+    fn start_all(
+        py: Python<'_>,
+        layers: Vec<PyRef<'_, PyLookAheadLayer>>,
+        flushed: Vec<Vec<usize>>,
+        steps: Vec<i64>,
+        history_lens: Vec<Option<Vec<usize>>>,
+    ) -> PyResult<()> {
+        entry(|| {
+            let n = layers.len();
+            if flushed.len() != n || steps.len() != n || history_lens.len() != n {
+                return Err(PyValueError::new_err(format!(
+                    "flushed, steps and history_lens need one entry per layer ({n}), got {}, {} and {}",
+                    flushed.len(),
+                    steps.len(),
+                    history_lens.len()
+                )));
+            }
+            let jobs: Vec<Arc<LayerJobs>> = layers.iter().map(|l| l.inner.clone()).collect();
+            run(py, || {
+                for (j, (f, h)) in jobs.iter().zip(flushed.iter().zip(&history_lens)) {
+                    j.check_start(f, h.as_deref())?;
+                }
+                for (j, ((f, s), h)) in jobs.iter().zip(flushed.iter().zip(&steps).zip(&history_lens)) {
+                    j.start(f, Some(*s), h.as_deref())?;
+                }
+                Ok(())
+            })
+        })
+    }
+
+    /// Waits (without the GIL, released once) for the current jobs of several layers; their
+    /// outcomes. See ``icecache/_core.pyi``.
+    #[staticmethod]
+    fn wait_all(py: Python<'_>, layers: Vec<PyRef<'_, PyLookAheadLayer>>) -> PyResult<Vec<PyOutcome>> {
+        entry(|| {
+            let jobs = layers
+                .iter()
+                .map(|l| l.inner.current().ok_or_else(|| PyRuntimeError::new_err("no job was started")))
+                .collect::<PyResult<Vec<_>>>()?;
+            let outs = py.allow_threads(move || jobs.iter().map(|j| j.wait()).collect::<crate::Result<Vec<_>>>());
+            Ok(outs.map_err(to_py)?.iter().map(|o| PyOutcome::from(&**o)).collect())
+        })
+    }
+
     /// Whether this layer's current job has finished (``True`` when there is none).
     fn done(&self) -> PyResult<bool> {
         entry(|| Ok(self.inner.done()))

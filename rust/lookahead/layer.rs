@@ -202,13 +202,8 @@ impl LayerJobs {
     /// this thread (its errors, as a queued job's, come from [`JobState::wait`]).
     /// `history_lens` (following layers): each history's length once the flush is appended.
     pub fn start(&self, flushed: &[usize], step: Option<i64>, history_lens: Option<&[usize]>) -> Result<()> {
+        self.check_start(flushed, history_lens)?;
         let g = self.geometry;
-        ensure!(
-            flushed.len() == self.batch && flushed.iter().all(|&m| m <= g.page_size),
-            "flushed must give 0..={} tokens for each of {} sequences",
-            g.page_size,
-            self.batch
-        );
         let mut st = self.state();
         let number = st.started.count;
         let leader_job = match &self.leader {
@@ -252,8 +247,7 @@ impl LayerJobs {
                 reselect: self.reselects(number, step),
             },
             Some(leader) => {
-                let lens = history_lens.ok_or_else(|| Error::Invalid("a following layer needs history_lens".into()))?;
-                ensure!(lens.len() == self.batch, "history_lens needs one entry per sequence");
+                let lens = history_lens.unwrap_or_default(); // one per sequence: check_start
                 Work::Follower {
                     lanes: lanes
                         .iter()
@@ -291,6 +285,23 @@ impl LayerJobs {
             st.started.recent.pop_front();
         }
         st.started.count += 1;
+        Ok(())
+    }
+
+    /// The checks of [`LayerJobs::start`]'s arguments, which change nothing: so that a caller
+    /// starting several layers can check every layer's before it starts any.
+    pub fn check_start(&self, flushed: &[usize], history_lens: Option<&[usize]>) -> Result<()> {
+        let g = self.geometry;
+        ensure!(
+            flushed.len() == self.batch && flushed.iter().all(|&m| m <= g.page_size),
+            "flushed must give 0..={} tokens for each of {} sequences",
+            g.page_size,
+            self.batch
+        );
+        if self.leader.is_some() {
+            let lens = history_lens.ok_or_else(|| Error::Invalid("a following layer needs history_lens".into()))?;
+            ensure!(lens.len() == self.batch, "history_lens needs one entry per sequence");
+        }
         Ok(())
     }
 

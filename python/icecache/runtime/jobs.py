@@ -12,7 +12,7 @@ before its followers start theirs (they come after it in layer order).
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,10 +22,37 @@ from icecache.runtime.runtime import Runtime
 from icecache.runtime.staging import Staging, StagingView
 from icecache.runtime.transfer import StepBuffers
 
-__all__ = ["FollowerJobs", "LayerJobs", "LeaderJobs"]
+__all__ = ["FollowerJobs", "LayerJobs", "LeaderJobs", "QueuedStart", "start_all", "wait_all"]
 
 #: One sequence's prompt middle for the index worker: ``(b, keys, values, last queries or None)``.
 Middle = Tuple[int, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+
+
+class QueuedStart(NamedTuple):
+    """A look-ahead job ready to be queued (:meth:`LayerJobs.queued_start`): the arguments of
+    ``_core.LookAheadLayer.start`` for ``lookahead``."""
+
+    lookahead: _core.LookAheadLayer
+    flushed: List[int]
+    step: int
+    history_lens: Optional[List[int]]
+
+
+def start_all(starts: Sequence[QueuedStart]) -> None:
+    """Queue the jobs of ``starts`` (one decode step of several layers, a leader before the
+    layers that follow it) in one native call, which releases the GIL once instead of per layer."""
+    if starts:
+        _core.LookAheadLayer.start_all(
+            [s.lookahead for s in starts],
+            [s.flushed for s in starts],
+            steps=[s.step for s in starts],
+            history_lens=[s.history_lens for s in starts],
+        )
+
+
+def wait_all(jobs: Sequence["LayerJobs"]) -> List[_core.LookAheadOutcome]:
+    """:meth:`LayerJobs.wait` for several layers in one native call (the GIL released once)."""
+    return _core.LookAheadLayer.wait_all([j._started_lookahead() for j in jobs]) if jobs else []
 
 
 class LayerJobs:
@@ -231,19 +258,27 @@ class LayerJobs:
         since the last job: run now (``now``: fresh selection, or the first step; its queries
         are copied here) or queued until the flag that the device step writes behind this
         step's queries (look-ahead)."""
+        if not now:
+            queued = self.queued_start(flushed)
+            queued.lookahead.start(queued.flushed, step=queued.step, history_lens=queued.history_lens)
+            return
         bufs = self.buffers()
         lens = self._prepare(flushed)
-        if now:
-            if query is None:
-                raise ValueError("a job that runs now needs the step's queries")
-            bufs.queries.copy_(query)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            self._started_lookahead().start(flushed, history_lens=lens)
-            return
+        if query is None:
+            raise ValueError("a job that runs now needs the step's queries")
+        bufs.queries.copy_(query)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._started_lookahead().start(flushed, history_lens=lens)
+
+    def queued_start(self, flushed: List[int]) -> QueuedStart:
+        """What :meth:`start` queues with look-ahead for the tokens the window ``flushed`` (the
+        step counted, the job's room made), for :func:`start_all` to queue with other layers'."""
+        self.buffers()
+        lens = self._prepare(flushed)
         # The device step copied the queries and wrote the step number (behind the attention).
         self.steps += 1
-        self._started_lookahead().start(flushed, step=self.steps, history_lens=lens)
+        return QueuedStart(self._started_lookahead(), flushed, self.steps, lens)
 
     def start_ahead(self, flushed: List[int], query: Optional[torch.Tensor]) -> None:
         """Start the first decode step's job before that step, from the queries of the step
@@ -282,6 +317,14 @@ class LayerJobs:
             return None
         self.buffers().upload(o.end, job=self.steps)
         return self.device_staging.table(o.width) if fresh else None
+
+    def staging_part(self, o: _core.LookAheadOutcome) -> Optional[Tuple[StepBuffers, int]]:
+        """What :meth:`upload` would copy for the look-ahead job's outcome ``o`` on a GPU, for a
+        caller that copies several layers' staging together (``transfer.upload_together``):
+        ``(buffers, bytes)``, or ``None`` where nothing is copied (no loads or clears; the CPU)."""
+        if self.device.type != "cuda" or not (o.loads or o.clears):
+            return None
+        return self.buffers(), o.end
 
     def upload_ahead(self) -> None:
         """With look-ahead on a GPU, start the copy of this layer's next staging now, on the

@@ -21,12 +21,13 @@ from icecache.runtime.bridge import Bridge
 from icecache.runtime.config import CALIBRATION_POSITIONS
 from icecache.runtime.hostmem import bytes_per_token
 from icecache.runtime.integration import hand_off
-from icecache.runtime.jobs import FollowerJobs, LayerJobs, LeaderJobs, Middle
+from icecache.runtime.jobs import FollowerJobs, LayerJobs, LeaderJobs, Middle, QueuedStart
 from icecache.runtime.pages import PageIndex, PageStore
 from icecache.runtime.prefix import HostPrefix
 from icecache.runtime.probe import track_recall
 from icecache.runtime.runtime import Runtime
 from icecache.runtime.step import DeviceStep
+from icecache.runtime.transfer import StepBuffers
 from icecache.runtime.window import DeviceWindow
 
 __all__ = ["IceLayer"]
@@ -596,9 +597,13 @@ class IceLayer(CacheLayerMixin):
 
     def _after_device_step(self, before: _Before, q: Optional[torch.Tensor], t3: float) -> None:
         """The host's part after the device's: the next step's job (look-ahead) and the counters."""
-        stats, o = self.runtime.stats, before.outcome
         if self.runtime.config.lookahead:
             self.jobs.start(self.window.hand_to_job(), q, now=False)
+        self._count_step(before, t3)
+
+    def _count_step(self, before: _Before, t3: float) -> None:
+        """The step's counters (:class:`icecache.runtime.Stats`)."""
+        stats, o = self.runtime.stats, before.outcome
         stats.layer_steps += 1
         stats.wait_s += before.t1 - before.t0
         stats.copy_s += before.t2 - before.t1
@@ -642,24 +647,33 @@ class IceLayer(CacheLayerMixin):
         self._graph_pages = self._step_pages(max(n - m for n, m in zip(w.win_len, w.in_job)))
         return self._graph_pages
 
-    def step_stage(self) -> None:
-        """Then, before the replay of the graph segment holding this layer: the job's outcome
-        waited for, its staging copied to the device (on the copy stream, which the step
-        waits for), the tokens it inserted dropped from the window."""
-        t0 = self.runtime.tick()
-        self.jobs.wait()
-        self.jobs.upload_ahead()
-        self._graph_before = self._before_device_step(t0)
+    def step_stage(self, outcome: _core.LookAheadOutcome, t0: float, t1: float) -> Optional[Tuple[StepBuffers, int]]:
+        """Then, before the replay of the graph segment holding this layer, with the outcome of
+        its look-ahead job (which the step graph waited for from ``t0`` to ``t1``, with the
+        segment's other layers'): the tokens the job inserted dropped from the window. Returns
+        the staging copy the step needs, ``(buffers, bytes)`` or ``None``: the step graph copies
+        the staging of a segment's layers together (``transfer.upload_together``)."""
+        rt = self.runtime
+        self.window.drop_flushed()
+        self._graph_before = _Before(outcome, self._step_pages(max(self.window.win_len)), None, t0, t1, t1)
         if self._graph_before.pages != self._graph_pages:
             raise RuntimeError(f"IceCache layer {self.layer_idx}: a step graph's pages changed while staged")
+        part = self.jobs.staging_part(outcome)
+        if part is not None:
+            rt.stats.copies_ahead += 1
+        return part
 
-    def step_after(self) -> None:
-        """After a step graph's replay: what ``attend`` does on the host after the device's work."""
+    def step_after(self) -> QueuedStart:
+        """After a step graph's replay: what ``attend`` does on the host after the device's
+        work, but the next job is returned, for the step graph to queue with the other layers'
+        (``jobs.start_all``)."""
         if self._graph_before is None:
             raise RuntimeError(f"IceCache layer {self.layer_idx}: step_after without step_stage")
         before, self._graph_before = self._graph_before, None
+        queued = self.jobs.queued_start(self.window.hand_to_job())
         # The device's attention ran inside the graph: no host time of its own.
-        self._after_device_step(before, None, before.t2)
+        self._count_step(before, before.t2)
+        return queued
 
     def nbytes(self) -> dict:
         """Bytes held on the device (sink, window, page pool; the bridge's whole cache while it

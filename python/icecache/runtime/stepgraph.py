@@ -7,11 +7,17 @@ one token, every layer of it, and replays it. The host does IceCache's per-layer
 for all layers around the replay:
 
 - before it, per IceCache layer in order: the token counted into the window (a full window's
-  oldest page copied to the flush buffers), the look-ahead job's outcome waited for, its
-  staging copied to the device, and the tokens that job inserted dropped from the window;
-- after it: each layer's next job started. The worker starts a layer's job when it sees the
-  step number that the graph writes behind that layer's queries, as in eager decoding, so the
-  selections of the early layers run while the device computes the later ones.
+  oldest page copied to the flush buffers); then per graph segment: its layers' look-ahead jobs
+  waited for, the tokens they inserted dropped from the windows, and their staging copied to
+  the device together;
+- after it: each layer's next job prepared, and all of them queued in one native call. The
+  worker starts a layer's job when it sees the step number that the graph writes behind that
+  layer's queries, as in eager decoding, so the selections of the early layers run while the
+  device computes the later ones.
+
+The native calls (a wait, a start) and the staging copies' stream switches and events are
+made once per segment or step, not per layer: each costs the host microseconds, several times
+that on a slow host, and a step has dozens of IceCache layers.
 
 Inside the graph each IceCache layer runs its device step (:meth:`DeviceStep.inline`, the
 operations its own graphs hold), and the full-cache layers (``full_layers``) a
@@ -48,7 +54,9 @@ from transformers.cache_utils import DynamicLayer
 
 from icecache.runtime import graphs
 from icecache.runtime.integration import hand_off
+from icecache.runtime.jobs import start_all, wait_all
 from icecache.runtime.layer import IceLayer
+from icecache.runtime.transfer import upload_together
 
 __all__ = ["ROOM", "SEGMENTS", "StaticFullLayer", "StepGraph", "install"]
 
@@ -195,6 +203,8 @@ class StepGraph:
         graphs.retire_with(self, self._graphs)
         self._pool: Optional[Any] = None
         self._inputs: Dict[str, torch.Tensor] = {}
+        # Recorded behind each segment's staging copies (made at the first).
+        self._staged: Optional[Any] = None
         # Whether the decoder's forward takes cache_position (transformers before 5.24).
         self._cache_position: Optional[bool] = None
 
@@ -259,8 +269,7 @@ class StepGraph:
         key = (kwargs["input_ids"].shape[0], tuple(layer.capacity for layer in fulls), pages, starts)
         entry = self._graphs.get(key)
         if entry is None:  # every layer staged first: the warm-up before the capture runs the step
-            for layer in self.ice:
-                layer.step_stage()
+            self._stage(self.ice)
             entry = self._capture(key, forward, static, fulls, starts)
             if entry is None:  # the CPU, or the capture failed: this step eagerly
                 out = self._forward(forward, static, fulls)
@@ -275,20 +284,45 @@ class StepGraph:
             segments, out = entry
             t_device = self.runtime.tick()
             for first, end, graph in zip(starts, starts[1:] + (len(self.ice),), segments):
-                for layer in self.ice[first:end]:
-                    layer.step_stage()
+                self._stage(self.ice[first:end])
                 graph.replay()
             if self.runtime.sync_timing:
                 stats.graph_device_s += self.runtime.tick() - t_device
             self.replays += 1
-        for ice in self.ice:
-            ice.step_after()
+        self._after()
         for full in fulls:
             full.advance()
         self.steps += 1
         stats.graph_steps += 1
         stats.graph_host_s += time.perf_counter() - t
         return out
+
+    def _stage(self, layers: List[IceLayer]) -> None:
+        """The host's part before a replay for ``layers``: their look-ahead jobs waited for (one
+        native call), :meth:`IceLayer.step_stage` each, then their staging copied to the device
+        together on the copy stream, which the step waits for: one stream switch and one event
+        per segment instead of per layer."""
+        rt = self.runtime
+        t0 = rt.tick()
+        outcomes = wait_all([layer.jobs for layer in layers])
+        t1 = rt.tick()
+        parts = []
+        for i, (layer, outcome) in enumerate(zip(layers, outcomes)):
+            # The wait is counted once, at the segment's first layer.
+            part = layer.step_stage(outcome, t0 if i == 0 else t1, t1)
+            if part is not None:
+                parts.append(part)
+        if parts:
+            t2 = time.perf_counter()
+            if self._staged is None:
+                self._staged = torch.cuda.Event()
+            upload_together(parts, rt.copy_stream(), self._staged)
+            rt.stats.copy_s += time.perf_counter() - t2
+
+    def _after(self) -> None:
+        """The host's part after the replays: each layer's :meth:`IceLayer.step_after`, and
+        their next jobs queued in one native call."""
+        start_all([layer.step_after() for layer in self.ice])
 
     def _starts(self) -> Tuple[int, ...]:
         """Where each graph segment's IceCache layers start (indices into :attr:`ice`)."""

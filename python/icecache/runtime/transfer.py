@@ -14,11 +14,11 @@ synchronous selection", under "What moved the figures").
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["StepBuffers", "Transit"]
+__all__ = ["StepBuffers", "Transit", "upload_together"]
 
 
 class StepBuffers:
@@ -91,9 +91,15 @@ class StepBuffers:
         if self._device_staging is None or self._ahead_done is None:
             return
         with torch.cuda.stream(stream):
-            self._device_staging[:nbytes].copy_(self.staging[:nbytes], non_blocking=True)
+            self.copy_staging(nbytes)
         self._ahead_done.record(stream)
         self._ahead = job
+
+    def copy_staging(self, nbytes: int) -> None:
+        """Start the copy of the first ``nbytes`` of staging to the device on the current stream
+        (asynchronous; nothing on the CPU). The caller orders it with the device's reads."""
+        if self._device_staging is not None:
+            self._device_staging[:nbytes].copy_(self.staging[:nbytes], non_blocking=True)
 
     def forget_ahead(self) -> None:
         """Drop an early copy that no :meth:`upload` will wait for (the layer was reset)."""
@@ -103,6 +109,23 @@ class StepBuffers:
         """Host bytes held."""
         parts = (self.queries, self.flag, self.flush_k, self.flush_v, self.staging)
         return sum(t.numel() * t.element_size() for t in parts)
+
+
+def upload_together(
+    parts: Sequence[Tuple[StepBuffers, int]], stream: "torch.cuda.Stream", done: "torch.cuda.Event"
+) -> None:
+    """Copy the first ``nbytes`` of each ``(buffers, nbytes)``'s staging to the device on
+    ``stream``, and make the current stream wait for them all: one stream switch and one event
+    for several layers (a step graph segment's), where :meth:`StepBuffers.upload_ahead` takes one
+    each. Any early copy of theirs is forgotten: these copies replace it. A GPU only."""
+    if not parts:
+        return
+    with torch.cuda.stream(stream):
+        for bufs, nbytes in parts:
+            bufs.forget_ahead()
+            bufs.copy_staging(nbytes)
+    done.record(stream)
+    torch.cuda.current_stream(stream.device).wait_event(done)
 
 
 class Transit:
