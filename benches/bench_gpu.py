@@ -741,10 +741,16 @@ def main(argv=None) -> int:
                 if sg.off_reason:
                     log(f"{n}: {name}: step graph off: {sg.off_reason}")
                 else:
+                    per = 1e3 / max(1, s.graph_steps)  # ms per replayed step
+                    v["graph_host_ms"] = s.graph_host_s * per
+                    v["graph_wait_ms"] = s.graph_wait_s * per
+                    v["graph_replay_ms"] = s.graph_replay_s * per
                     log(
                         f"{n}: {name}: step graph: {sg.steps} steps, {sg.replays} replayed, {sg.captures} captured "
-                        f"({sg.segments} segments); its host time {s.graph_host_s / max(1, s.graph_steps) * 1e3:.2f} "
-                        f"ms per step, of which waiting {s.wait_s / max(1, s.graph_steps) * 1e3:.2f} ms"
+                        f"({sg.segments} segments); host time per replayed step {s.graph_host_s * per:.2f} ms, of "
+                        f"which waiting for the worker {s.graph_wait_s * per:.2f} ms and in the replay calls "
+                        f"{s.graph_replay_s * per:.2f} ms; {s.graph_capture_steps} steps captured, "
+                        f"{s.graph_capture_s / max(1, s.graph_capture_steps) * 1e3:.1f} ms each"
                     )
                 if args.profile_steps < 1:
                     continue

@@ -71,12 +71,19 @@ class RuntimeStats:
     #: layers before (look-ahead on a GPU, once the layer's job had finished; their ``copy_s``
     #: is then mostly the scatter).
     copies_ahead: int = 0
-    #: Decode steps run by the step graph, its host time (the layers' host work around the
-    #: replays, waits included), and with ``sync_timing`` the device time from its first
-    #: replay to its last one's end.
+    #: Decode steps replayed from step graphs; their host time (the layers' host work around
+    #: the replays, the waits for the look-ahead worker and the replay calls included), the
+    #: parts of it waiting for the worker and in the replay calls; with ``sync_timing`` the
+    #: device time from the first replay to the last one's end.
     graph_steps: int = 0
     graph_host_s: float = 0.0
+    graph_wait_s: float = 0.0
+    graph_replay_s: float = 0.0
     graph_device_s: float = 0.0
+    #: Steps in the step graph's phases that captured their graphs instead (once per shape and
+    #: window phase; on the CPU every such step, run eagerly), and their host time.
+    graph_capture_steps: int = 0
+    graph_capture_s: float = 0.0
     #: One attention recall per (layer, sequence, retrieving step) (``track_recall``).
     recalls: List[float] = field(default_factory=list)
     #: One share per (layer, step) of attended pages that the device's ranking took from

@@ -268,7 +268,8 @@ class StepGraph:
         starts = self._starts()
         key = (kwargs["input_ids"].shape[0], tuple(layer.capacity for layer in fulls), pages, starts)
         entry = self._graphs.get(key)
-        if entry is None:  # every layer staged first: the warm-up before the capture runs the step
+        captures = entry is None
+        if captures:  # every layer staged first: the warm-up before the capture runs the step
             self._stage(self.ice)
             entry = self._capture(key, forward, static, fulls, starts)
             if entry is None:  # the CPU, or the capture failed: this step eagerly
@@ -284,8 +285,10 @@ class StepGraph:
             segments, out = entry
             t_device = self.runtime.tick()
             for first, end, graph in zip(starts, starts[1:] + (len(self.ice),), segments):
-                self._stage(self.ice[first:end])
+                stats.graph_wait_s += self._stage(self.ice[first:end])
+                t_replay = time.perf_counter()
                 graph.replay()
+                stats.graph_replay_s += time.perf_counter() - t_replay
             if self.runtime.sync_timing:
                 stats.graph_device_s += self.runtime.tick() - t_device
             self.replays += 1
@@ -293,15 +296,21 @@ class StepGraph:
         for full in fulls:
             full.advance()
         self.steps += 1
-        stats.graph_steps += 1
-        stats.graph_host_s += time.perf_counter() - t
+        # A capture's warm-up and captures take many times a replayed step's host time: counted
+        # apart, so that the replayed steps' figure is the steady state's.
+        if captures:
+            stats.graph_capture_steps += 1
+            stats.graph_capture_s += time.perf_counter() - t
+        else:
+            stats.graph_steps += 1
+            stats.graph_host_s += time.perf_counter() - t
         return out
 
-    def _stage(self, layers: List[IceLayer]) -> None:
+    def _stage(self, layers: List[IceLayer]) -> float:
         """The host's part before a replay for ``layers``: their look-ahead jobs waited for (one
         native call), :meth:`IceLayer.step_stage` each, then their staging copied to the device
         together on the copy stream, which the step waits for: one stream switch and one event
-        per segment instead of per layer."""
+        per segment instead of per layer. Returns the seconds it waited for the jobs."""
         rt = self.runtime
         t0 = rt.tick()
         outcomes = wait_all([layer.jobs for layer in layers])
@@ -318,6 +327,7 @@ class StepGraph:
                 self._staged = torch.cuda.Event()
             upload_together(parts, rt.copy_stream(), self._staged)
             rt.stats.copy_s += time.perf_counter() - t2
+        return t1 - t0
 
     def _after(self) -> None:
         """The host's part after the replays: each layer's :meth:`IceLayer.step_after`, and
