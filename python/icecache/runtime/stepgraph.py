@@ -269,7 +269,7 @@ class StepGraph:
         key = (kwargs["input_ids"].shape[0], tuple(layer.capacity for layer in fulls), pages, starts)
         entry = self._graphs.get(key)
         captures = entry is None
-        if captures:  # every layer staged first: the warm-up before the capture runs the step
+        if entry is None:  # every layer staged first: the warm-up before the capture runs the step
             self._stage(self.ice)
             entry = self._capture(key, forward, static, fulls, starts)
             if entry is None:  # the CPU, or the capture failed: this step eagerly
