@@ -1,8 +1,13 @@
-"""What several test files share: the shape of the tiny random-weight models.
+"""What several test files share: the shape of the tiny random-weight models, and the buffers of
+a look-ahead layer.
 
 Imported by name (``from conftest import ...``) as well as loaded by pytest. torch and
 transformers are imported only when a model is made, so that tests without them still collect.
 """
+
+from typing import NamedTuple
+
+import numpy as np
 
 #: Vocabulary of the tiny models.
 VOCAB = 128
@@ -89,3 +94,45 @@ def counting_ruler_model(name, device, dtype):
 
     model.register_forward_pre_hook(count, with_kwargs=True)
     return model, tokenizer
+
+
+class LookAheadParts(NamedTuple):
+    """What a one-sequence ``LookAheadLayer`` is made from and lent (:func:`lookahead_parts`)."""
+
+    k_store: np.ndarray
+    v_store: np.ndarray
+    queries: np.ndarray
+    flag: np.ndarray
+    flush_k: np.ndarray
+    flush_v: np.ndarray
+    staging: np.ndarray
+
+    @property
+    def lent(self):
+        """The buffers in ``LookAheadLayer``'s argument order, after the worker."""
+        return self.queries, self.flag, self.flush_k, self.flush_v, self.staging
+
+
+def lookahead_parts(forest, keys, values, *, query_heads, page_size, max_pages):
+    """float32 page stores written by ``forest`` from ``keys``/``values`` ``[H_kv, n, d]``, and
+    the buffers of a one-sequence look-ahead layer over them: queries ``[1, query_heads, d]``,
+    a flag, flush buffers and staging for ``max_pages`` pages per head in a pool of twice that."""
+    from icecache import _core
+
+    h_kv, _, d = keys.shape
+    k_store = np.zeros((h_kv, forest.max_pages() + 1, page_size, d), np.float32)
+    v_store = np.zeros_like(k_store)
+    forest.write_pages(keys, values, k_store, v_store)
+    layout = _core.LookAheadLayer.staging_layout(
+        batch=1, kv_heads=h_kv, dim=d, page_size=page_size, itemsize=4, max_pages=max_pages, capacity=2 * max_pages
+    )
+    flush = np.zeros((1, h_kv, page_size, d), np.float32)
+    return LookAheadParts(
+        k_store,
+        v_store,
+        np.zeros((1, query_heads, d), np.float32),
+        np.zeros(1, np.int64),
+        flush,
+        flush.copy(),
+        np.zeros(layout.bytes, np.uint8),
+    )

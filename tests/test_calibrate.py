@@ -216,6 +216,7 @@ def test_head_forest_calibrates_each_head_and_select_uses_it():
 def test_lookahead_layer_selects_at_each_heads_own_effort():
     """``LookAheadLayer(effort=None)`` selects as ``HeadForest.select(effort=None)`` (each KV
     head at its own effort, here 3), not at effort 1; a given effort is still validated."""
+    from conftest import lookahead_parts
     from icecache import HeadForest, ResidentPages, _core
 
     rng = np.random.default_rng(5)
@@ -224,18 +225,9 @@ def test_lookahead_layer_selects_at_each_heads_own_effort():
     values = rng.standard_normal((h_kv, n, d)).astype(np.float32)
     f = HeadForest(keys, seed=1, threads=1, effort=3.0)
     assert f.efforts == [3.0, 3.0]
-    k_store = np.zeros((h_kv, f.max_pages() + 1, ps, d), np.float32)
-    v_store = np.zeros_like(k_store)
-    f.write_pages(keys, values, k_store, v_store)
-    layout = _core.LookAheadLayer.staging_layout(
-        batch=1, kv_heads=h_kv, dim=d, page_size=ps, itemsize=4, max_pages=m, capacity=2 * m
-    )
-    queries = np.zeros((1, h_kv * group, d), np.float32)
-    flag = np.zeros(1, np.int64)
-    flush_k = np.zeros((1, h_kv, ps, d), np.float32)
-    flush_v = np.zeros_like(flush_k)
-    staging = np.zeros(layout.bytes, np.uint8)
-    args = (_core.LookAhead(1), queries, flag, flush_k, flush_v, staging)
+    parts = lookahead_parts(f, keys, values, query_heads=h_kv * group, page_size=ps, max_pages=m)
+    queries = parts.queries
+    args = (_core.LookAhead(1), *parts.lent)
     shape = dict(kv_heads=h_kv, page_size=ps, max_pages=m, scale=0.25)
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="effort"):
@@ -245,7 +237,7 @@ def test_lookahead_layer_selects_at_each_heads_own_effort():
     with pytest.raises(TypeError, match="scale"):
         _core.LookAheadLayer(*args, **{**shape, "scale": True})
     jobs = _core.LookAheadLayer(*args, **shape)  # effort=None: each head's own
-    jobs.set_lane(0, k_store, v_store, forest=f, resident=ResidentPages(h_kv, 2 * m))
+    jobs.set_lane(0, parts.k_store, parts.v_store, forest=f, resident=ResidentPages(h_kv, 2 * m))
     differs = 0
     for _ in range(12):
         queries[0] = 2 * rng.standard_normal((h_kv * group, d))

@@ -4,6 +4,7 @@ layer, and bad input that starts nothing."""
 
 import numpy as np
 import pytest
+from conftest import lookahead_parts
 from icecache import HeadForest, ResidentPages, _core
 
 H_KV, GROUP, N, D, PS, M = 2, 2, 2000, 16, 16, 4
@@ -15,21 +16,10 @@ def _layer(worker, seed):
     keys = rng.standard_normal((H_KV, N, D)).astype(np.float32)
     values = rng.standard_normal((H_KV, N, D)).astype(np.float32)
     forest = HeadForest(keys, seed=seed, threads=1)
-    k_store = np.zeros((H_KV, forest.max_pages() + 1, PS, D), np.float32)
-    v_store = np.zeros_like(k_store)
-    forest.write_pages(keys, values, k_store, v_store)
-    layout = _core.LookAheadLayer.staging_layout(
-        batch=1, kv_heads=H_KV, dim=D, page_size=PS, itemsize=4, max_pages=M, capacity=2 * M
-    )
-    queries = np.zeros((1, H_KV * GROUP, D), np.float32)
-    flag = np.zeros(1, np.int64)
-    flush = np.zeros((1, H_KV, PS, D), np.float32)
-    staging = np.zeros(layout.bytes, np.uint8)
-    layer = _core.LookAheadLayer(
-        worker, queries, flag, flush, flush.copy(), staging, kv_heads=H_KV, page_size=PS, max_pages=M, scale=0.25
-    )
-    layer.set_lane(0, k_store, v_store, forest=forest, resident=ResidentPages(H_KV, 2 * M))
-    return layer, forest, queries, flag
+    parts = lookahead_parts(forest, keys, values, query_heads=H_KV * GROUP, page_size=PS, max_pages=M)
+    layer = _core.LookAheadLayer(worker, *parts.lent, kv_heads=H_KV, page_size=PS, max_pages=M, scale=0.25)
+    layer.set_lane(0, parts.k_store, parts.v_store, forest=forest, resident=ResidentPages(H_KV, 2 * M))
+    return layer, forest, parts.queries, parts.flag
 
 
 def test_start_all_and_wait_all_run_the_jobs_of_separate_calls():
