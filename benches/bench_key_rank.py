@@ -15,6 +15,11 @@ on real SmolLM2 queries and keys (no quantisation, no pages: the ranking alone):
   ``--superset S``) as the best ``--budget`` by exact score among the ``S`` keys with the best
   estimates, as a device that ranks a loaded superset exactly would.
 
+With ``--int8`` the estimates come from 8-bit rows with one scale per row, as the page stores
+hold them: the rotated rows for the top ``r`` dimensions, and (row "all, unrotated") the rows as
+stored today, whose estimate the scan computes now; it also reports each one's relative error
+of the reconstructed keys (what the device would attend).
+
 Layers 0 and 1 are left out (the runtime's full-cache layers by default), and a model's
 sliding-window layers (Gemma's), whose cache is not IceCache's. Prose and code documents of
 ``--tokens`` tokens (the shipped texts, seed 11).
@@ -39,6 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--superset", type=int, default=None, help="default: the budget (no exact re-rank)")
     ap.add_argument("--dims", type=int, nargs="+", default=[8, 16, 24, 32])
+    ap.add_argument("--int8", action="store_true", help="estimate from 8-bit rows (one scale per row)")
     args = ap.parse_args(argv)
     superset = args.superset or args.budget
     if superset < args.budget:
@@ -55,8 +61,17 @@ def main(argv=None) -> int:
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     scale = dim**-0.5
-    recall: dict = {r: [] for r in args.dims}  # (kind, layer, recall / oracle)
-    energy: dict = {r: [] for r in args.dims}
+    dims = list(args.dims) + ([0] if args.int8 else [])  # 0: every dimension, unrotated
+    recall: dict = {r: [] for r in dims}  # (kind, layer, recall / oracle)
+    energy: dict = {r: [] for r in dims}
+    error: dict = {r: [] for r in dims}  # relative error of the reconstructed keys
+
+    def int8_rows(x):
+        """Rows rounded to 8 bits with one scale per row, as stored; and back."""
+        step = np.abs(x).max(axis=1, keepdims=True) / 127
+        step[step == 0] = 1
+        return np.round(x / step) * step
+
     for kind in ("prose", "code"):
         for ids in documents(tokenizer, args.docs, args.tokens, seed=11, kind=kind):
             for layer, (q, k, _) in sorted(capture_qkv(model, ids, served).items()):
@@ -67,6 +82,14 @@ def main(argv=None) -> int:
                     for r in args.dims:
                         energy[r].append(w[:r].sum() / w.sum())
                     rotated = keys @ basis
+                    plain = keys
+                    if args.int8:
+                        rotated, plain = int8_rows(rotated), int8_rows(keys)
+                        norm = np.linalg.norm(keys)
+                        for r in args.dims:
+                            error[r].append(np.linalg.norm(rotated @ basis.T - keys) / norm)
+                        error[0].append(np.linalg.norm(plain - keys) / norm)
+                        energy[0].append(1.0)
                     for g in range(group):
                         for t in range(args.tokens - args.queries, args.tokens):
                             query = q[h * group + g, t]
@@ -76,8 +99,8 @@ def main(argv=None) -> int:
                             p /= p.sum()
                             best = np.sort(p)[-args.budget :].sum()
                             qr = basis.T @ query
-                            for r in args.dims:
-                                est = rotated[: t - 1, :r] @ qr[:r]
+                            for r in dims:
+                                est = plain[: t - 1] @ query if r == 0 else rotated[: t - 1, :r] @ qr[:r]
                                 chosen = np.argpartition(est, -superset)[-superset:]
                                 got = np.sort(p[chosen])[-args.budget :].sum()
                                 recall[r].append((kind, layer, got / best))
@@ -86,9 +109,12 @@ def main(argv=None) -> int:
         f"{args.model}, head dim {dim}, {args.docs} prose and {args.docs} code documents of {args.tokens} tokens, "
         f"budget {args.budget}, superset {superset}"
     )
-    print("| dims | energy mean (min) | recall / oracle: mean | prose | code | 10th percentile | worst layer |")
-    print("|---|---|---|---|---|---|---|")
-    for r in args.dims:
+    print(
+        "| dims | energy mean (min) | recall / oracle: mean | prose | code | 10th percentile | worst layer "
+        "| key error (int8) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in dims:
         a = np.array([x for _, _, x in recall[r]])
         by_layer: dict = {}
         for _, layer, x in recall[r]:
@@ -96,9 +122,11 @@ def main(argv=None) -> int:
         worst = min(by_layer, key=lambda i: float(np.mean(by_layer[i])))
         prose = np.mean([x for kind, _, x in recall[r] if kind == "prose"])
         code = np.mean([x for kind, _, x in recall[r] if kind == "code"])
+        err = f"{np.mean(error[r]):.4f}" if error[r] else "-"
+        name = f"{r} of {dim}" if r else f"all {dim}, unrotated"
         print(
-            f"| {r} of {dim} | {np.mean(energy[r]):.3f} ({np.min(energy[r]):.3f}) | {a.mean():.4f} | {prose:.4f} "
-            f"| {code:.4f} | {np.percentile(a, 10):.3f} | {worst}: {np.mean(by_layer[worst]):.4f} |"
+            f"| {name} | {np.mean(energy[r]):.3f} ({np.min(energy[r]):.3f}) | {a.mean():.4f} | {prose:.4f} "
+            f"| {code:.4f} | {np.percentile(a, 10):.3f} | {worst}: {np.mean(by_layer[worst]):.4f} | {err} |"
         )
     return 0
 
